@@ -1,0 +1,34 @@
+# Every target creates or reuses .venv/ through `install`; torch is pinned to the CPU wheel
+# when the machine has no NVIDIA GPU (an unpinned torch would pull a multi-GB CUDA build).
+PY := .venv/bin/python
+STAMP := .venv/.installed
+TORCH_CPU := torch==2.13.0
+
+.PHONY: install test serve serve-pd bench lint device-check
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PY) -m pip install -q torch; \
+	else \
+		$(PY) -m pip install -q $(TORCH_CPU); \
+	fi
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest tests
+
+serve: install
+	$(PY) -m dsv4 serve $(ARGS)
+
+bench: install
+	$(PY) scripts/bench_serving.py --suite $(ARGS)
+
+lint: install
+	$(PY) -m ruff check dsv4 tests scripts
+
+device-check: install
+	bash scripts/device_check.sh $(ARGS)

@@ -32,3 +32,11 @@ lint: install
 
 device-check: install
 	bash scripts/device_check.sh $(ARGS)
+
+# One prefill and one decode instance on this machine (decode serves HTTP on PD_PORT, default 30000).
+PD_PORT ?= 30000
+serve-pd: install
+	$(PY) -m dsv4 serve --disaggregation-mode prefill --disaggregation-bootstrap-port 8998 \
+		--port $$(($(PD_PORT) + 1)) $(ARGS) & prefill=$$!; \
+	trap 'kill $$prefill' EXIT INT TERM; \
+	$(PY) -m dsv4 serve --disaggregation-mode decode --prefill-addr 127.0.0.1:8998 --port $(PD_PORT) $(ARGS)

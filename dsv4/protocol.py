@@ -56,7 +56,10 @@ class TickPlan(msgspec.Struct, frozen=True, kw_only=True):
 
     seq: int
     batch: ForwardBatch
-    finished: tuple[str, ...] = ()  # requests whose pages and slots are released after this tick
+    # Releases since the previous plan, so that the sequence of plans records every change of
+    # ownership: `finished` requests ended by sampling in the previous tick; `aborted` ones
+    # (aborts, deadlines, page shortage) were released at this tick's boundary, before its forward.
+    finished: tuple[str, ...] = ()
     aborted: tuple[str, ...] = ()
 
 
@@ -85,3 +88,134 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+
+
+# == disaggregation (prefill/decode transfer frames; owner: dsv4/disagg) =========================
+#
+# Control frames travel as msgpack over UCX active messages; payload bytes travel as raw buffers
+# over tagged messages announced by a PayloadHeader. Every frame carries `version`: a receiver
+# decodes `FrameHead` first, so a frame of another version is counted and dropped, not misread.
+
+PD_PROTOCOL_VERSION = 1
+
+
+class StateRegion(msgspec.Struct, frozen=True, array_like=True):
+    """One region of a page or slot unit: `rows` rows of `row_bytes` at byte `offset`."""
+
+    name: str
+    offset: int
+    rows: int
+    row_bytes: int
+
+
+class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
+    """What both sides must agree on before a byte of state moves between them."""
+
+    protocol_version: int
+    model_hash: str  # hash of the model config (and weights identity) both sides serve
+    page_size: int
+    page_bytes: int
+    slot_bytes: int
+    page_layout: tuple[StateRegion, ...]
+    slot_layout: tuple[StateRegion, ...]
+    index_key_dtype: str
+    kv_cache_dtype: str
+
+
+class Destination(msgspec.Struct, frozen=True, array_like=True):
+    """A page or slot of the decode side, named with the generation it was allocated under."""
+
+    index: int
+    generation: int
+
+
+class FrameHead(msgspec.Struct, frozen=True, kw_only=True):
+    """The part of every frame readable whatever its kind or version (other fields are ignored)."""
+
+    kind: str
+    version: int
+
+
+class _Frame(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    version: int = PD_PROTOCOL_VERSION
+
+
+class Hello(_Frame, tag="hello"):
+    instance_id: str  # changes on every start, so a restarted peer is recognised as new
+    role: str  # "decode" (the side that connects) or "prefill"
+    capabilities: Capabilities
+
+
+class HelloAck(_Frame, tag="hello_ack"):
+    instance_id: str
+    accepted: bool
+    error: str | None = None
+    capabilities: Capabilities | None = None
+
+
+class PrefillRequest(_Frame, tag="prefill"):
+    room: int  # chosen by decode, unique per decode process
+    rid: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    pages: tuple[Destination, ...]  # one per ceil(len(prompt) / page_size), in page-table order
+    slot: Destination
+    timeout_s: float  # seconds the decode side waits from sending this; clocks are not shared
+    verify: bool = False
+
+
+class PayloadHeader(_Frame, tag="payload"):
+    """Announces one raw buffer sent next on tag `payload_tag(room, seq)`."""
+
+    room: int
+    seq: int
+    target: str  # "page" or "slot"
+    index: int  # position in the request's page table (0 for the slot)
+    generation: int  # the destination's generation from the PrefillRequest
+    nbytes: int
+    checksum: int  # CRC-32 of the bytes as sent
+
+
+class Commit(_Frame, tag="commit"):
+    """Sent after every payload of the room; completes the transfer when it matches."""
+
+    room: int
+    page_generations: tuple[int, ...]
+    slot_generation: int
+    first_token: int
+    num_payloads: int
+    prompt_checksum: int  # CRC-32 of the prompt ids the sender computed (int64 little-endian)
+    page_checksums: tuple[int, ...] | None = None  # verify mode: CRC-32 of each source page
+    slot_checksum: int | None = None
+
+
+class Abort(_Frame, tag="abort"):
+    room: int
+    reason: str
+
+
+class AbortAck(_Frame, tag="abort_ack"):
+    room: int
+
+
+class Drain(_Frame, tag="drain"):
+    """Asks the prefill side to confirm it will write nothing more for `room`."""
+
+    room: int
+
+
+class DrainAck(_Frame, tag="drain_ack"):
+    """No payload of `room` is or will be in flight from the sender (idempotent: an unknown room
+    is trivially drained)."""
+
+    room: int
+
+
+class Heartbeat(_Frame, tag="heartbeat"):
+    seq: int
+    ready: bool = True
+    load: int = 0  # requests the sender has in flight
+    reasons: tuple[str, ...] = ()
+
+
+PdFrame = Hello | HelloAck | PrefillRequest | PayloadHeader | Commit | Abort | AbortAck | Drain | DrainAck | Heartbeat

@@ -1,8 +1,21 @@
-"""Session-wide fixtures: tiny random checkpoints, built once per test session."""
+"""Session-wide setup: Triton's CPU interpreter when there is no GPU, and tiny random checkpoints
+built once per test session.
+
+Triton reads TRITON_INTERPRET when it is first imported, so it is set here, before any test module
+(or the library code it imports) can import Triton. DSV4_KERNELS_INTERPRET=1 forces the interpreter
+on a GPU machine too.
+"""
+
+import os
 
 import pytest
+import torch
 
-from dsv4.tiny import make_tiny
+KERNELS_ON_CUDA = torch.cuda.is_available() and os.environ.get("DSV4_KERNELS_INTERPRET") != "1"
+if not KERNELS_ON_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from dsv4.tiny import make_tiny  # noqa: E402  (after TRITON_INTERPRET is set)
 
 
 @pytest.fixture(scope="session")

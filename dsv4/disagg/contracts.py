@@ -1,0 +1,74 @@
+"""What each side of a transfer needs from its engine, and the timeouts bounding every state.
+
+The engine side implements these (dsv4/disagg/engine_hooks.py adapts the real Engine; tests use a
+fake); the state machines in prefill.py and decode.py know nothing else about the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from dsv4.memory.allocator import Handle
+from dsv4.protocol import Capabilities, GenerationRequest, RequestOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class PdTimeouts:
+    """Seconds each non-terminal state may last (ARCHITECTURE.md invariant 5)."""
+
+    handshake: float = 5.0
+    # decode: wait for a peer and for destination pages and a slot (the decode side's admission
+    # queue; the request's own deadline usually ends it first)
+    bootstrap: float = 600.0
+    wait_for_prefill: float = 60.0  # decode: prefill request sent, no payload yet (prefill queue + compute)
+    transfer: float = 10.0  # decode: first payload header .. commit; prefill: sending
+    commit: float = 5.0  # decode: commit received .. admitted to the decode batch
+    lease: float = 5.0  # a failed transfer's wait for a drain acknowledgement before fencing the peer
+    drain_retry: float = 0.5
+    heartbeat: float = 0.5
+    peer_silence: float = 5.0  # a peer heard from less recently than this is fenced
+    reconnect: float = 0.5
+
+
+DEFAULT_TIMEOUTS = PdTimeouts()
+
+
+@dataclass(frozen=True)
+class ExportedState:
+    """A prompt's whole state as the prefill engine left it, copied out of its pools."""
+
+    first_token: int
+    pages: list[np.ndarray]  # uint8 [page_bytes] each, in page-table order
+    slot: np.ndarray  # uint8 [slot_bytes]
+    page_checksums: list[int]
+    slot_checksum: int
+
+
+class PrefillSource(Protocol):
+    capabilities: Capabilities
+
+    async def compute(self, rid: str, prompt_ids: tuple[int, ...], sampling: SamplingParams) -> ExportedState:
+        """Computes the prompt and samples its first token; cancelling it aborts the computation."""
+
+    def ready(self) -> tuple[bool, list[str]]: ...
+
+
+class DecodeTarget(Protocol):
+    capabilities: Capabilities
+
+    async def allocate(self, rid: str, num_pages: int) -> tuple[list[Handle], Handle] | None:
+        """Destination pages and a slot owned by `rid`, or None when they are not free now."""
+
+    async def release(self, pages: list[Handle], slot: Handle) -> None: ...
+
+    async def install(self, pages: list[Handle], slot: Handle, page_data: list[np.ndarray],
+                      slot_data: np.ndarray) -> tuple[list[int], int]:
+        """Copies the received state into the pools; returns the checksums of what landed there."""
+
+    def admit(self, req: GenerationRequest, pages: list[Handle], slot: Handle,
+              first_token: int) -> AsyncIterator[RequestOutput]:
+        """Hands the request (and the handles) to the decode batch."""

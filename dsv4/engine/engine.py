@@ -1,0 +1,246 @@
+"""The Engine: what the HTTP server talks to (docs/ENGINE_CONTRACTS.md).
+
+It owns the tokenizer, the runner, the scheduler and the supervised tick loop, and reports
+readiness as forward progress (ARCHITECTURE.md invariant 6). Every method runs on the event loop
+thread; only forwards run elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from dsv4.config import ModelConfig, ServerArgs
+from dsv4.engine.metrics import EngineMetrics
+from dsv4.engine.request import AdmissionError, Request
+from dsv4.engine.scheduler import Scheduler
+from dsv4.engine.tick import Ticker
+from dsv4.memory.allocator import Handle, PageSlotAllocator
+from dsv4.protocol import GenerationRequest, RequestOutput
+from dsv4.tokenizer import IncrementalDetokenizer
+
+__all__ = ["AdmissionError", "Engine"]
+
+log = logging.getLogger(__name__)
+
+IDLE_WAKE_S = 1.0  # an idle loop re-checks this often; it does not spin
+# A forward that has not returned after this many stall bounds is declared stuck: the tick loop
+# dies with a named error instead of leaving requests hanging.
+FORWARD_DEADLINE_STALLS = 12
+STOP_TIMEOUT_S = 5.0
+
+
+class Engine:
+    def __init__(
+        self,
+        args: ServerArgs,
+        model_config: ModelConfig,
+        tokenizer,
+        runner,
+        *,
+        model_name: str = "dsv4",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.args = args
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.model_name = args.served_model_name or model_name
+        self.max_context = min(
+            args.context_length or model_config.max_position_embeddings, runner.num_pages * args.page_size
+        )
+        self.metrics = EngineMetrics()
+        self.allocator = PageSlotAllocator(runner.num_pages, runner.num_slots)
+        self.scheduler = Scheduler(
+            self.allocator,
+            page_size=args.page_size,
+            token_budget=args.chunked_prefill_size,
+            max_context=self.max_context,
+        )
+        self._clock = clock
+        self._forward_deadline = FORWARD_DEADLINE_STALLS * args.tick_stall_timeout
+        self._ticker = Ticker(
+            self.scheduler,
+            runner,
+            new_detokenizer=lambda: IncrementalDetokenizer(tokenizer),
+            eos_ids=frozenset({model_config.eos_token_id, tokenizer.eos_id}),
+            metrics=self.metrics,
+            deliver=self._deliver,
+            forward_deadline=self._forward_deadline,
+            faults=args.faults,
+            clock=clock,
+        )
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}  # live requests, until their last output
+        self._task: asyncio.Task | None = None
+        self._dead: str | None = None
+        self._progress_at = clock()
+        self._ticks_done = 0
+        self.metrics.observe_capacity(self.allocator.snapshot(), 0, 0)
+
+    @classmethod
+    def from_args(cls, args: ServerArgs) -> Engine:
+        from dsv4.engine.launch import load_model
+
+        model = load_model(args)
+        return cls(args, model.config, model.tokenizer, model.runner, model_name=model.name)
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._progress_at = self._clock()
+            self._task = asyncio.create_task(self._supervise(), name="dsv4-tick-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.wait({self._task}, timeout=STOP_TIMEOUT_S)
+        self._ticker.close()
+        if self._dead is None:
+            self._dead = "engine stopped"
+            self._ticker.fail_all(self._dead)
+
+    async def _supervise(self) -> None:
+        try:
+            while True:
+                if not self._has_work():
+                    await self._ticker.inbox.wait(IDLE_WAKE_S)
+                    continue
+                plan = await self._ticker.step()
+                self._ticks_done = plan.seq
+                self._progress_at = self._clock()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._dead = f"tick loop died at tick {self._ticks_done + 1}: {type(e).__name__}: {e}"
+            log.exception("%s", self._dead)
+            self._ticker.fail_all(self._dead)
+
+    # -- requests --------------------------------------------------------------------------------------
+    def submit(self, req: GenerationRequest, *, export_state: Callable[[Request], None] | None = None
+               ) -> AsyncIterator[RequestOutput]:
+        """Queues `req`; raises AdmissionError now if it can never be served. `export_state` (PD
+        prefill) sees the request at the tick boundary after its first token, before release."""
+        self.check_request(req)
+        now = self._clock()
+        deadline = req.deadline if req.deadline is not None else now + self.args.request_timeout
+        request = Request(rid=req.rid, prompt_ids=tuple(req.input_ids), sampling=req.sampling,
+                          arrival=now, deadline=deadline, export_state=export_state)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[req.rid] = queue
+        if self._dead is not None:
+            queue.put_nowait(RequestOutput(rid=req.rid, finished=True, finish_reason="error", error=self._dead,
+                                           prompt_tokens=len(req.input_ids)))
+        else:
+            if not self._has_work():
+                self._progress_at = now  # the stall clock starts when work arrives, not at the last tick
+            self._ticker.inbox.put_request(request)
+        return self._outputs(request, queue)
+
+    # -- PD decode (dsv4/engine/pd.py; docs/PD_ENGINE_HOOKS.md) ----------------------------------------
+    def submit_transferred(self, req: GenerationRequest, *, pages: list[Handle], slot: Handle,
+                           first_token: int) -> AsyncIterator[RequestOutput]:
+        """A request whose prompt state was transferred into `pages`/`slot` (held under its rid; the
+        engine owns them from now on) joins the decode batch at the next tick boundary."""
+        now = self._clock()
+        deadline = req.deadline if req.deadline is not None else now + self.args.request_timeout
+        request = Request(rid=req.rid, prompt_ids=tuple(req.input_ids), sampling=req.sampling, arrival=now,
+                          deadline=deadline, pages=list(pages), slot=slot)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[req.rid] = queue
+        if self._dead is not None:
+            for handle in pages:
+                self.allocator.pages.free(handle)
+            self.allocator.slots.free(slot)
+            queue.put_nowait(RequestOutput(rid=req.rid, finished=True, finish_reason="error", error=self._dead,
+                                           prompt_tokens=len(req.input_ids)))
+        else:
+            if not self._has_work():
+                self._progress_at = now
+            self._ticker.inbox.put_adopted(request, first_token)
+        return self._outputs(request, queue)
+
+    async def run_between_forwards(self, fn):
+        return await self._ticker.run_between_forwards(fn)
+
+    def check_request(self, req: GenerationRequest) -> None:
+        """Raises AdmissionError if `req` can never be served (also used before a PD transfer)."""
+        if req.rid in self._queues:
+            raise AdmissionError(f"request id {req.rid!r} is already in use")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in req.input_ids):
+            raise AdmissionError(f"prompt token ids must lie in 0..{vocab - 1}")
+        if any(not s for s in req.sampling.stop):
+            raise AdmissionError("stop strings must not be empty")
+        self.scheduler.check_admissible(len(req.input_ids), req.sampling)
+
+    async def _outputs(self, req: Request, queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                # The engine answers by the deadline, or its forward deadline kills the loop and
+                # fail_all answers; this timeout is the last resort if both fail.
+                timeout = max(0.0, req.deadline - self._clock()) + self._forward_deadline
+                try:
+                    async with asyncio.timeout(timeout):
+                        output = await queue.get()
+                except TimeoutError:
+                    error = f"the engine gave no answer for {timeout:.0f} s, past the request's deadline"
+                    self.abort(req.rid, error)
+                    output = RequestOutput(rid=req.rid, finished=True, finish_reason="error", error=error,
+                                           prompt_tokens=len(req.prompt_ids))
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(req.rid, "client stopped reading")
+
+    def abort(self, rid: str, reason: str = "client disconnected") -> None:
+        if rid in self._queues and self._dead is None:
+            self._ticker.inbox.put_abort(rid, reason)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        queue = self._queues.get(output.rid)
+        if queue is None:
+            return
+        queue.put_nowait(output)
+        if output.finished:
+            del self._queues[output.rid]
+
+    # -- health and introspection -----------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return bool(self._ticker.inbox) or self.scheduler.has_work()
+
+    def ready(self) -> tuple[bool, list[str]]:
+        if self._dead is not None:
+            return False, [self._dead]
+        if self._task is None:
+            return False, ["engine not started"]
+        reasons = []
+        now = self._clock()
+        stalled = now - self._progress_at
+        if self._has_work() and stalled > self.args.tick_stall_timeout:
+            reasons.append(
+                f"tick {self._ticks_done + 1} has not completed in {stalled:.1f} s with work pending "
+                f"(--tick-stall-timeout {self.args.tick_stall_timeout:g} s)"
+            )
+        arrivals = [r.arrival for r in self.scheduler.waiting] + [r.arrival for r in self._ticker.inbox.requests]
+        if arrivals and now - min(arrivals) > self.args.max_queue_wait:
+            reasons.append(
+                f"the oldest waiting request has waited {now - min(arrivals):.1f} s "
+                f"(--max-queue-wait {self.args.max_queue_wait:g} s)"
+            )
+        return not reasons, reasons
+
+    def debug_requests(self) -> dict:
+        now = self._clock()
+        pages = self.allocator.pages.holders()
+        slots = self.allocator.slots.holders()
+        requests = []
+        for req in [*self.scheduler.requests(), *self._ticker.inbox.requests]:
+            entry = req.describe(now)
+            entry["pages"] = pages.get(req.rid, [])
+            entry["slot"] = slots.get(req.rid, [None])[0]
+            requests.append(entry)
+        return {"requests": requests, **self.allocator.snapshot(), "tick": self._ticks_done, "ready": self.ready()[0]}

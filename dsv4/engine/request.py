@@ -1,0 +1,66 @@
+"""Per-request state, owned by the tick loop (torch-free)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dsv4.memory.allocator import Handle
+from dsv4.protocol import SamplingParams
+
+
+class AdmissionError(ValueError):
+    """A request that can never be served as asked; the message says why."""
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued; holds nothing
+    RUNNING = "running"  # holds a slot and the pages for every token it has fed
+    FINISHED = "finished"  # holds nothing; its last output has been (or is being) delivered
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival: float  # engine clock
+    deadline: float  # engine clock
+    state: RequestState = RequestState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[Handle] = field(default_factory=list)
+    slot: Handle | None = None
+    num_computed: int = 0  # tokens whose rows are in the pools
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    last_event: str = "queued"
+    # PD prefill (dsv4/engine/pd.py): called at the tick boundary right after the first token was
+    # sampled, before the request's pages and slot are released, to copy its state out.
+    export_state: Callable[[Request], None] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
+    def describe(self, now: float) -> dict:
+        return {
+            "rid": self.rid,
+            "state": self.state.value,
+            "prompt_tokens": len(self.prompt_ids),
+            "generated_tokens": len(self.output_ids),
+            "computed_tokens": self.num_computed,
+            "age_s": round(now - self.arrival, 3),
+            "deadline_in_s": round(self.deadline - now, 3),
+            "last_event": self.last_event,
+        }

@@ -1,0 +1,74 @@
+"""The model runner: owns the state pools and the production model, runs one ForwardBatch per tick.
+
+Before anything is written, a batch is checked whole: well-formed chunks, distinct slots, page
+tables that cover the chunk, and every page and slot generation bound through the pools (a stale
+one raises `StaleReference`). A chunk with start_pos == 0 starts its slot empty; nothing else
+resets a slot, so a slot needs no release.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.config import ModelConfig
+from dsv4.memory.pools import StatePools
+from dsv4.model.model import PagedModel
+from dsv4.model.plan import build_plan
+from dsv4.protocol import ForwardBatch
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], args):
+        """`args`: a ServerArgs (dtype, page_size, max_running_requests, max_total_tokens,
+        kv_cache_dtype, index_key_dtype are read)."""
+        self.cfg = cfg
+        self.dtype = TORCH_DTYPES[args.dtype]
+        self.page_size = args.page_size
+        self.num_pages = args.max_total_tokens // args.page_size
+        self.num_slots = args.max_running_requests
+        self.pools = StatePools(cfg, num_pages=self.num_pages, num_slots=self.num_slots, page_size=self.page_size,
+                                dtype=self.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                                index_key_dtype=args.index_key_dtype)
+        self.model = PagedModel(cfg, weights, self.dtype, self.pools)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Runs every chunk (prefill chunks and decode tokens mixed), writes their rows into the
+        pools, returns float32 logits [number of chunks with sample=True, vocab] in chunk order."""
+        self._check(batch)
+        if not batch.chunks:
+            return torch.zeros((0, self.cfg.vocab_size), dtype=torch.float32)
+        return self.model.forward(build_plan(self.cfg, batch, self.page_size))
+
+    def verify_page_generations(self, page_ids, generations) -> None:
+        """Raises StaleReference if any (page, generation) names a page's earlier tenancy."""
+        self.pools.bind_pages(page_ids, generations)
+
+    def reset(self) -> None:
+        """Forget all state (rows and generations)."""
+        self.pools.reset()
+
+    def _check(self, batch: ForwardBatch) -> None:
+        slots = [c.slot for c in batch.chunks]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"tick {batch.tick}: chunks share a slot: {slots}")
+        for c in batch.chunks:
+            where = f"tick {batch.tick}, request {c.rid}"
+            if not 0 <= c.slot < self.num_slots:
+                raise ValueError(f"{where}: slot {c.slot} outside 0..{self.num_slots - 1}")
+            if not c.token_ids or c.start_pos < 0:
+                raise ValueError(f"{where}: empty chunk or negative start_pos {c.start_pos}")
+            if not 0 <= min(c.token_ids) <= max(c.token_ids) < self.cfg.vocab_size:
+                raise ValueError(f"{where}: token ids outside 0..{self.cfg.vocab_size - 1}")
+            if len(c.page_ids) != len(c.page_generations):
+                raise ValueError(f"{where}: {len(c.page_ids)} pages but {len(c.page_generations)} generations")
+            end = c.start_pos + len(c.token_ids)
+            if len(c.page_ids) * self.page_size < end:
+                raise ValueError(f"{where}: {len(c.page_ids)} pages of {self.page_size} cannot hold {end} tokens")
+            if c.page_ids and not 0 <= min(c.page_ids) <= max(c.page_ids) < self.num_pages:
+                raise ValueError(f"{where}: page ids outside 0..{self.num_pages - 1}")
+        self.pools.bind_pages([p for c in batch.chunks for p in c.page_ids],
+                              [g for c in batch.chunks for g in c.page_generations])
+        for c in batch.chunks:
+            self.pools.bind_slot(c.slot, c.slot_generation)

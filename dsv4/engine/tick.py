@@ -1,0 +1,262 @@
+"""The lockstep tick: the engine's only step function (TP=1 for now; ARCHITECTURE.md invariant 1).
+
+    inbox (new requests, aborts) + deadline expiries
+      -> Scheduler.schedule(): the immutable, sequence-numbered TickPlan
+      -> runner.forward(plan.batch) and sampling, in the forward thread
+      -> tokens, text and finishes delivered to each request's queue
+
+Everything but the forward and sampling runs on the event loop thread, which is the only one that
+touches scheduler state; so aborts and deadlines take effect at tick boundaries by construction,
+and the loop stays free to answer /health while a forward runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+from dsv4.config import FaultInjection
+from dsv4.engine.metrics import EngineMetrics
+from dsv4.engine.output import TextStream
+from dsv4.engine.request import Request
+from dsv4.engine.sampling import make_generator, sample, stop_reason
+from dsv4.engine.scheduler import Scheduler
+from dsv4.protocol import RequestOutput, SamplingParams, TickPlan
+
+T = TypeVar("T")
+
+
+class TickFailed(RuntimeError):
+    """A tick could not complete; the tick loop stops and says why."""
+
+
+class InjectedFault(TickFailed):
+    pass
+
+
+class Inbox:
+    """What reaches the engine between ticks. Event-loop thread only."""
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.aborts: dict[str, str] = {}  # rid -> reason; the first reason wins
+        self.adopted: list[tuple[Request, int]] = []  # PD decode: (request, its first token)
+        self._wakeup = asyncio.Event()
+
+    def put_request(self, req: Request) -> None:
+        self.requests.append(req)
+        self._wakeup.set()
+
+    def put_abort(self, rid: str, reason: str) -> None:
+        self.aborts.setdefault(rid, reason)
+        self._wakeup.set()
+
+    def put_adopted(self, req: Request, first_token: int) -> None:
+        self.adopted.append((req, first_token))
+        self._wakeup.set()
+
+    def __bool__(self) -> bool:
+        return bool(self.requests or self.aborts or self.adopted)
+
+    def take(self) -> tuple[list[Request], dict[str, str]]:
+        taken = self.requests, self.aborts
+        self.requests, self.aborts = [], {}
+        self._wakeup.clear()
+        return taken
+
+    def take_adopted(self) -> list[tuple[Request, int]]:
+        taken, self.adopted = self.adopted, []
+        return taken
+
+    async def wait(self, timeout: float) -> None:
+        """Until something arrives or `timeout` seconds pass."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._wakeup.wait()
+        except TimeoutError:
+            pass
+
+
+class _Decoding:
+    """A live request's sampling and text state."""
+
+    def __init__(self, req: Request, detokenizer) -> None:
+        self.generator = make_generator(req.sampling)
+        self.text = TextStream(detokenizer, req.sampling.stop)
+
+
+class Ticker:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner,
+        *,
+        new_detokenizer: Callable[[], object],
+        eos_ids: frozenset[int],
+        metrics: EngineMetrics,
+        deliver: Callable[[RequestOutput], None],
+        forward_deadline: float,
+        faults: FaultInjection | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.inbox = Inbox()
+        self._new_detokenizer = new_detokenizer
+        self._eos_ids = eos_ids
+        self._metrics = metrics
+        self._deliver = deliver
+        self._forward_deadline = forward_deadline
+        self._faults = faults or FaultInjection()
+        self._clock = clock
+        self._decoding: dict[str, _Decoding] = {}
+        # One thread: forwards run strictly in plan order, as every rank must apply them.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-forward")
+
+    async def step(self) -> TickPlan:
+        started = self._clock()
+        new, aborts = self.inbox.take()
+        for req in new:
+            self.scheduler.add(req)
+            self._decoding[req.rid] = _Decoding(req, self._new_detokenizer())
+        for req, first_token in self.inbox.take_adopted():
+            self._adopt(req, first_token, started)
+        for rid, reason in aborts.items():
+            req = self.scheduler.abort(rid, reason)
+            if req is not None:
+                self._end(req, started)
+        for req in self.scheduler.requests():
+            if started >= req.deadline:
+                self.scheduler.abort(
+                    req.rid, f"deadline exceeded after {started - req.arrival:.1f} s", finish_reason="error"
+                )
+                self._end(req, started)
+        plan, victims = self.scheduler.schedule()
+        for req in victims:
+            self._end(req, started)
+        if plan.batch.chunks:
+            tokens = await self._forward_and_sample(plan)
+            self._postprocess(plan, tokens, self._clock())
+        self._metrics.ticks.inc()
+        self._metrics.tick_duration.observe(self._clock() - started)
+        self._metrics.observe_capacity(
+            self.scheduler.allocator.snapshot(), len(self.scheduler.running), len(self.scheduler.waiting)
+        )
+        return plan
+
+    def _adopt(self, req: Request, first_token: int, now: float) -> None:
+        """PD decode: the request arrives with its prompt computed elsewhere and its first token
+        sampled there; that token is delivered (and checked for stop) as if sampled here."""
+        self.scheduler.adopt(req)
+        self._decoding[req.rid] = _Decoding(req, self._new_detokenizer())
+        req.output_ids.append(first_token)
+        req.first_token_at = req.last_token_at = now
+        self._metrics.generation_tokens.inc()
+        self._metrics.time_to_first_token.observe(now - req.arrival)
+        self._deliver_token(req, first_token)
+
+    async def run_between_forwards(self, fn: Callable[[], T]) -> T:
+        """Runs `fn` on the forward thread, strictly between two forwards (PD decode: copying a
+        transfer's state into the pools while no forward reads or writes them)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def fail_all(self, error: str) -> None:
+        """Ends every live request with `error` (the tick loop is gone; nothing will be released)."""
+        queued, _ = self.inbox.take()
+        queued += [req for req, _ in self.inbox.take_adopted()]
+        for req in [*self.scheduler.requests(), *queued]:
+            req.finish_reason, req.error = "error", error
+            self._end(req, self._clock())
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- forward and sample (worker thread) --------------------------------------------------------
+    async def _forward_and_sample(self, plan: TickPlan) -> list[int]:
+        sampled = [self.scheduler.get(c.rid) for c in plan.batch.chunks if c.sample]
+        params = [r.sampling for r in sampled]
+        generators = [self._decoding[r.rid].generator for r in sampled]
+        work = asyncio.get_running_loop().run_in_executor(self._executor, self._run, plan, params, generators)
+        try:
+            async with asyncio.timeout(self._forward_deadline):
+                return await work
+        except TimeoutError:
+            raise TickFailed(
+                f"forward of tick {plan.seq} did not return within {self._forward_deadline:.0f} s"
+            ) from None
+
+    def _run(self, plan: TickPlan, params: list[SamplingParams], generators: list) -> list[int]:
+        if plan.seq == self._faults.stall_at_tick:
+            time.sleep(self._faults.stall_seconds)
+        if plan.seq == self._faults.crash_at_tick:
+            raise InjectedFault(f"injected crash at tick {plan.seq}")
+        with torch.inference_mode():
+            logits = self.runner.forward(plan.batch)
+            if logits.shape[0] != len(params):
+                raise TickFailed(f"runner returned {logits.shape[0]} rows of logits for {len(params)} sampled chunks")
+            return sample(logits, params, generators)
+
+    # -- delivery (event loop) --------------------------------------------------------------------------
+    def _postprocess(self, plan: TickPlan, tokens: list[int], now: float) -> None:
+        metrics = self._metrics
+        sampled = iter(tokens)
+        for chunk in plan.batch.chunks:
+            req = self.scheduler.get(chunk.rid)
+            if chunk.start_pos < len(req.prompt_ids):
+                metrics.prompt_tokens.inc(len(chunk.token_ids))
+            if not chunk.sample:
+                continue
+            token = next(sampled)
+            req.output_ids.append(token)
+            metrics.generation_tokens.inc()
+            if req.first_token_at is None:
+                req.first_token_at = now
+                metrics.time_to_first_token.observe(now - req.arrival)
+            else:
+                metrics.inter_token_latency.observe(now - req.last_token_at)
+            req.last_token_at = now
+            self._deliver_token(req, token)
+
+    def _deliver_token(self, req: Request, token: int) -> None:
+        text_stream = self._decoding[req.rid].text
+        reason = stop_reason(token, len(req.output_ids), req.sampling, self._eos_ids)
+        text = "" if reason == "stop" else text_stream.push(token)  # a stop token's text is not output
+        if text_stream.stopped:
+            reason = "stop"
+        if reason is None:
+            self._deliver(self._output(req, (token,), text))
+            return
+        text += text_stream.finish()
+        if req.export_state is not None:
+            req.export_state(req)
+        self.scheduler.finish(req, reason)
+        self._deliver(self._output(req, (token,), text))
+        self._forget(req, req.last_token_at)
+
+    def _end(self, req: Request, now: float) -> None:
+        """Delivers the last output of a request that ended without a token (abort, deadline, error)."""
+        self._deliver(self._output(req, (), ""))
+        self._forget(req, now)
+
+    def _output(self, req: Request, token_ids: tuple[int, ...], text: str) -> RequestOutput:
+        finished = req.finish_reason is not None
+        return RequestOutput(
+            rid=req.rid,
+            token_ids=token_ids,
+            text=text,
+            finished=finished,
+            finish_reason=req.finish_reason,
+            error=req.error,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+        )
+
+    def _forget(self, req: Request, now: float) -> None:
+        self._decoding.pop(req.rid, None)
+        self._metrics.finished_requests.labels(reason=req.finish_reason).inc()
+        self._metrics.e2e_latency.observe(now - req.arrival)

@@ -1,0 +1,163 @@
+"""DeepSeek-V4 attention over paged state, for every chunk of a batch at once.
+
+Projections, RoPE and the compressors run on the flattened batch. Attention itself runs per
+`AttentionGroup` (all decode tokens together; each prefill chunk alone) over
+  the slot's window ring + the chunk's own raw rows   (query t sees positions t-W+1 .. t, taken as
+                                                        one band of Q+W-1 rows per block of Q queries)
+  ∪ compressed rows read back from the pages          (rows w < (t+1) // ratio;
+                                                        CSA: only the lightning indexer's picks)
+plus the per-head sink. Every cached row is read back through its cache format, the chunk's own
+raw rows and the rows this chunk just compressed included, exactly as the reference rounds them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.config import CSA, WINDOW, ModelConfig
+from dsv4.kernels import rows as row_formats
+from dsv4.memory.pools import StatePools, put_rows, take_rows
+from dsv4.reference.attention import picks_mask
+from dsv4.reference.indexer import indexer_topk
+from dsv4.reference.ops import accumulation_dtype, linear, rms_norm
+from dsv4.reference.rope import apply_rope
+
+from .compressor import PagedCompressor
+from .plan import AttentionGroup, BatchPlan
+
+_PLAIN_ROW_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+class PagedAttention:
+    def __init__(self, cfg: ModelConfig, layer: int, w, inv_freq: torch.Tensor, pools: StatePools):
+        """`w(name)` fetches this layer's tensor `attn.<name>`, already in the dtype its math runs in."""
+        self.cfg, self.layer, self.inv_freq, self.pools = cfg, layer, inv_freq, pools
+        self.wq_a, self.q_norm, self.wq_b = w("wq_a.weight"), w("q_norm.weight"), w("wq_b.weight")
+        self.wkv, self.kv_norm = w("wkv.weight"), w("kv_norm.weight")
+        self.wo_a = w("wo_a.weight").unflatten(0, (cfg.o_groups, -1))  # [G, o_lora_rank, heads/G * head_dim]
+        self.wo_b, self.sink = w("wo_b.weight"), w("attn_sink")
+        kind = cfg.layer_kind(layer)
+        self.ratio = cfg.compress_ratios[layer]
+        self.compressor = self.index_compressor = None
+        if kind != WINDOW:
+            self.compressor = _compressor(cfg, w, "compressor.", self.ratio, kind == CSA, inv_freq)
+        if kind == CSA:
+            self.index_compressor = _compressor(cfg, w, "indexer.compressor.", self.ratio, True, inv_freq)
+            self.index_wq_b = w("indexer.wq_b.weight")
+            self.index_weights_proj = w("indexer.weights_proj.weight")
+
+    def __call__(self, x: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
+        """x [T, hidden] (attn_norm'ed) -> [T, hidden]; stores this layer's rows of the batch."""
+        cfg, pools, positions = self.cfg, self.pools, plan.positions
+        qr = rms_norm(linear(x, self.wq_a), self.q_norm, cfg.rms_norm_eps)
+        q = linear(qr, self.wq_b).unflatten(-1, (cfg.num_heads, cfg.head_dim)).transpose(0, 1)
+        q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), positions, self.inv_freq)  # [H, T, D]
+
+        kv = rms_norm(linear(x, self.wkv), self.kv_norm, cfg.rms_norm_eps)
+        raw_rows = row_formats.pack_main_rows(apply_rope(kv, positions, self.inv_freq), pools.main_format,
+                                              cfg.rope_head_dim)
+        raw_keys = self._main_rows(raw_rows)  # [T, D] as the ring will return them
+
+        index_queries = None
+        if self.compressor is not None:  # rows of windows this batch completes, before any query reads them
+            compress = plan.compress[self.ratio]
+            destination = (compress.window_pages, compress.window_page_rows)
+            rows = self.compressor.advance(x, positions, compress, pools.compressor_state(self.layer))
+            put_rows(pools.compressed_rows(self.layer), destination,
+                     row_formats.pack_main_rows(rows, pools.main_format, cfg.rope_head_dim))
+            if self.index_compressor is not None:
+                keys = self.index_compressor.advance(x, positions, compress, pools.indexer_state(self.layer))
+                put_rows(pools.index_keys(self.layer), destination, row_formats.pack_index_rows(keys, pools.index_format))
+                index_queries = self._index_queries(x, qr, positions)
+
+        out = torch.cat([self._attend(group, q, raw_keys, index_queries, positions) for group in plan.groups], dim=1)
+        ring = plan.ring_write
+        put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
+
+        out = apply_rope(out, positions, self.inv_freq, inverse=True).transpose(0, 1)  # [T, H, D]
+        grouped = out.flatten(1).unflatten(-1, (cfg.o_groups, -1))  # [T, G, heads/G * D]
+        low_rank = torch.einsum("tgi,gri->tgr", grouped.to(self.wo_a.dtype), self.wo_a).flatten(1)
+        return linear(low_rank, self.wo_b)
+
+    def _attend(self, group: AttentionGroup, q: torch.Tensor, raw_keys: torch.Tensor, index_queries,
+                positions: torch.Tensor) -> torch.Tensor:
+        """q [H, T, D] of the whole batch -> attention output [H, B*L, D] of the group's tokens."""
+        acc = accumulation_dtype(q.dtype)
+        batch, length, block = group.batch, group.length, group.block
+        blocks, band = group.band_allowed.shape[1], group.band_allowed.shape[-1]
+        pad = blocks * block - length
+        ring = self._gather_main_rows(self.pools.window(self.layer), (group.slots, group.ring_rows), group.ring_exists)
+        raw = torch.cat([ring.to(acc),
+                         group.rows(raw_keys).to(acc), raw_keys.new_zeros(batch, pad, raw_keys.shape[-1], dtype=acc)], 1)
+        raw = raw.unfold(1, band, block).transpose(-1, -2)  # [B, N, Q+W-1, D]: each block's band
+        queries = torch.nn.functional.pad(group.rows(q.transpose(0, 1)), (0, 0, 0, 0, 0, pad))  # [B, N*Q, H, D]
+        queries = queries.unflatten(1, (blocks, block)).transpose(2, 3).to(acc)  # [B, N, H, Q, D]
+        compressed = compressed_allowed = None
+        if self.compressor is not None:
+            seen = group.compressed[self.ratio]
+            stored = self.pools.compressed_rows(self.layer)
+            compressed = self._gather_main_rows(stored, (seen.pages, seen.page_rows), seen.exists).to(acc)
+            allowed = seen.visible if index_queries is None else self._picks(group, index_queries, positions)
+            compressed_allowed = torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
+        out = banded_sink_attention(queries, raw, group.band_allowed, compressed, compressed_allowed, self.sink,
+                                    self.cfg.head_dim**-0.5)  # [B, N, H, Q, D]
+        out = out.transpose(2, 3).flatten(1, 2)[:, :length].flatten(0, 1)  # [B*L, H, D]
+        return out.to(q.dtype).transpose(0, 1)
+
+    def _index_queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor):
+        cfg = self.cfg
+        q = linear(qr, self.index_wq_b).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+        q = apply_rope(q.transpose(0, 1), positions, self.inv_freq).transpose(0, 1)  # [T, heads, dim]
+        scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
+        weights = linear(x, self.index_weights_proj).to(accumulation_dtype(x.dtype)) * scale
+        return q, weights
+
+    def _picks(self, group: AttentionGroup, index_queries, positions: torch.Tensor) -> torch.Tensor:
+        """[B, L, n_max] bool: the compressed rows the lightning indexer picks for each query."""
+        cfg, seen = self.cfg, group.compressed[self.ratio]
+        stored = take_rows(self.pools.index_keys(self.layer), seen.pages, seen.page_rows)
+        keys = row_formats.unpack_index_rows(stored.flatten(0, 1), self.pools.index_format, cfg.index_head_dim)
+        q, weights = index_queries
+        picks = indexer_topk(group.rows(q), group.rows(weights), keys.unflatten(0, stored.shape[:2]),
+                             group.rows(positions), self.ratio, cfg.index_topk)
+        return picks_mask(picks, seen.pages.shape[1])
+
+    def _gather_main_rows(self, pool: torch.Tensor, index: tuple[torch.Tensor, ...], exists: torch.Tensor):
+        """pool[index] as the cache returns it, [*index shape, head_dim]; rows that do not exist (before
+        position 0, past a shorter request's end) read as zeros, whatever bytes their storage holds."""
+        packed = take_rows(pool, *index)
+        rows = self._main_rows(packed.flatten(0, -2)).unflatten(0, packed.shape[:-1])
+        return rows.masked_fill(~exists.unsqueeze(-1), 0)
+
+    def _main_rows(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed main rows [N, bytes] -> [N, head_dim] as the cache returns them."""
+        cfg, fmt = self.cfg, self.pools.main_format
+        if fmt in _PLAIN_ROW_DTYPES:  # rows stored as-is: a view, not unpack's copy
+            return packed.view(_PLAIN_ROW_DTYPES[fmt])
+        return row_formats.unpack_main_rows(packed, fmt, cfg.head_dim, cfg.rope_head_dim)
+
+
+def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor, compressed, compressed_allowed,
+                          sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """Sink attention of query blocks over their own raw-row bands plus the request's compressed rows.
+
+    q [B, N, H, Q, D]; raw [B, N, K, D] with raw_allowed [B, N, Q, K]; compressed [B, C, D] (or None)
+    with compressed_allowed [B, N, Q, C]; sink [H]. Returns [B, N, H, Q, D] in q's dtype, computed as
+    the reference's `sink_attention` over the union of both key sets (K = V).
+    """
+    logits = [torch.einsum("bnhqd,bnkd->bnhqk", q, raw).mul_(scale).masked_fill_(~raw_allowed.unsqueeze(2), -torch.inf)]
+    if compressed is not None:
+        part = torch.einsum("bnhqd,bcd->bnhqc", q, compressed).mul_(scale)
+        logits.append(part.masked_fill_(~compressed_allowed.unsqueeze(2), -torch.inf))
+    logits.append(sink.to(q.dtype).view(1, 1, -1, 1, 1).expand(*logits[0].shape[:-1], 1))
+    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    out = torch.einsum("bnhqk,bnkd->bnhqd", probs[..., : raw.shape[2]], raw)
+    if compressed is not None:
+        out = out + torch.einsum("bnhqc,bcd->bnhqd", probs[..., raw.shape[2] : -1], compressed)
+    return out
+
+
+def _compressor(cfg: ModelConfig, w, prefix: str, ratio: int, overlap: bool, inv_freq) -> PagedCompressor:
+    return PagedCompressor(w(prefix + "wkv.weight"), w(prefix + "wgate.weight"), w(prefix + "ape"),
+                           w(prefix + "norm.weight"), ratio=ratio, overlap=overlap, inv_freq=inv_freq,
+                           norm_eps=cfg.rms_norm_eps)

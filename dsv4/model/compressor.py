@@ -1,0 +1,59 @@
+"""The compressor over paged state: token by token in meaning, whole windows at a time in practice.
+
+Each token contributes a `kv | score` row (score includes `ape`) to its slot's partial state; a
+window that completes pools into one compressed row (softmax over its slots, per channel), which is
+normed, rotated to position w * ratio and returned for the caller to store. A chunk may start and
+end mid-window: the plan (`CompressPlan`) says which state and token rows each completed window
+pools and which partial-state rows change, so the CSA overlap half carries across chunks.
+
+Rounding follows the reference (`dsv4.reference.compressor`): kv and score are kept and pooled in
+at least fp32, the pooled row is cast to the model dtype, then normed and rotated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.reference.ops import accumulation_dtype, linear, rms_norm
+from dsv4.reference.rope import apply_rope
+
+from .plan import CompressPlan
+
+
+class PagedCompressor:
+    def __init__(self, wkv: torch.Tensor, wgate: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor, *,
+                 ratio: int, overlap: bool, inv_freq: torch.Tensor, norm_eps: float):
+        self.dim = norm.numel()
+        self.width = wkv.shape[0]  # coff * dim: with overlap, Ca (first dim channels) then Cb
+        self.w_kv_gate = torch.cat([wkv, wgate])  # one projection for both halves of a state row
+        self.ape, self.norm = ape, norm
+        self.ratio, self.overlap, self.inv_freq, self.norm_eps = ratio, overlap, inv_freq, norm_eps
+
+    def token_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> state rows [T, 2 * width] (kv | gate + ape) in at least fp32."""
+        acc = accumulation_dtype(x.dtype)
+        kv, gate = linear(x, self.w_kv_gate).split(self.width, dim=-1)
+        score = gate.to(self.ape.dtype) + self.ape[positions % self.ratio]
+        return torch.cat([kv.to(acc), score.to(acc)], dim=-1)
+
+    def advance(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
+                state: torch.Tensor) -> torch.Tensor:
+        """Feed this batch's tokens into `state` [slots, rows, 2 * width] (updated in place) and
+        return the rows of the windows they complete, [n_windows, dim] in x's dtype."""
+        rows = self.token_rows(x, positions)
+        empty = torch.cat([rows.new_zeros(self.width), rows.new_full((self.width,), float("-inf"))])
+        source = torch.cat([state[plan.state_slots, plan.state_rows].to(rows.dtype), rows, empty.unsqueeze(0)])
+        pooled = self._pool(source[plan.window_sources]).to(x.dtype)
+        state[plan.update_slots, plan.update_rows] = source[plan.update_sources].to(state.dtype)
+        normed = rms_norm(pooled, self.norm, self.norm_eps)
+        return apply_rope(normed, plan.window_positions, self.inv_freq).to(x.dtype)
+
+    def _pool(self, windows: torch.Tensor) -> torch.Tensor:
+        """windows [n, span, 2 * width] -> [n, dim]: softmax over the window's slots, per channel."""
+        kv, score = windows.split(self.width, dim=-1)
+        if self.overlap:
+            # Slots 0..ratio-1 are the previous window's tokens (their Ca half), the rest this window's (Cb).
+            d, r = self.dim, self.ratio
+            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
+            score = torch.cat([score[:, :r, :d], score[:, r:, d:]], dim=1)
+        return (torch.softmax(score, dim=1) * kv).sum(dim=1)

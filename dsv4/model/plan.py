@@ -1,0 +1,267 @@
+"""Where every row of a forward lives: index tensors built once per ForwardBatch, used by every layer.
+
+The batch is flattened into T token rows, laid out group by group (see `AttentionGroup`). A plan
+says, in those terms and in pool coordinates (page, row) / (slot, row):
+- which raw rows each query sees (the slot's window ring, its own chunk's rows);
+- how each compressor ratio advances (which completed windows pool which token / state rows, where
+  the new compressed rows go, which partial-state rows change);
+- which compressed rows each query may see, and from which pages they are read.
+Index building is vectorised over chunks and tokens: its cost does not grow with the batch in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.config import ModelConfig
+from dsv4.memory.pools import compressor_state_rows
+from dsv4.protocol import ForwardBatch
+
+
+@dataclass(frozen=True)
+class CompressPlan:
+    """How every compressor of one ratio advances over this batch.
+
+    Pooled rows come from `source = cat(state[state_slots, state_rows], token rows [T], empty row)`,
+    where the empty row (kv 0, score -inf) stands for the missing predecessor of window 0.
+    """
+
+    ratio: int
+    state_slots: torch.Tensor  # [n_read] partial-state rows the new windows or the new state read
+    state_rows: torch.Tensor
+    window_sources: torch.Tensor  # [n_windows, span] rows of `source` pooled into each new row
+    window_positions: torch.Tensor  # [n_windows] w * ratio: the RoPE position of each new row
+    window_pages: torch.Tensor  # [n_windows] where each new row is stored
+    window_page_rows: torch.Tensor
+    update_slots: torch.Tensor  # [n_update] partial-state rows that change ...
+    update_rows: torch.Tensor
+    update_sources: torch.Tensor  # ... and the row of `source` each one takes
+
+
+@dataclass(frozen=True)
+class CompressedRows:
+    """The compressed rows (one ratio) visible to an attention group, padded to the longest request."""
+
+    pages: torch.Tensor  # [B, n_max]
+    page_rows: torch.Tensor  # [B, n_max]
+    exists: torch.Tensor  # [B, n_max] bool: the request has row w (padding rows do not)
+    visible: torch.Tensor  # [B, L, n_max] bool: row w is complete at the query (w < (t + 1) // ratio)
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Chunks whose attention runs as one batch: all decodes (L = 1), or one prefill chunk.
+
+    The group's tokens are rows first_token .. first_token + B*L - 1 of the batch. Its queries run
+    in blocks of Q consecutive positions (L padded to N*Q): block n of a request sees the Q + W - 1
+    raw rows from position start - W + 1 + n*Q on, a band of [ring rows | own rows], so the sliding
+    window costs O(L * W), not O(L^2).
+    """
+
+    first_token: int
+    batch: int  # B
+    length: int  # L
+    block: int  # Q = min(L, W)
+    slots: torch.Tensor  # [B, 1]
+    ring_rows: torch.Tensor  # [B, W - 1]: ring rows of positions start-W+1 .. start-1, in position order
+    ring_exists: torch.Tensor  # [B, W - 1] bool: those positions are >= 0
+    band_allowed: torch.Tensor  # [B, N, Q, Q + W - 1] bool: the block's raw row is in the query's window
+    compressed: dict[int, CompressedRows]  # by ratio
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's rows of a per-token tensor [T, ...] -> [B, L, ...] (a view)."""
+        return x[self.first_token : self.first_token + self.batch * self.length].unflatten(0, (self.batch, self.length))
+
+
+@dataclass(frozen=True)
+class RingWrite:
+    """The raw rows that enter the window rings after a layer's attention has read them."""
+
+    slots: torch.Tensor
+    rows: torch.Tensor  # position p goes to ring row p % W
+    tokens: torch.Tensor  # rows of the flattened batch
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    sample_tokens: torch.Tensor  # [n_sample] rows of the last token of each sampling chunk, in chunk order
+    groups: tuple[AttentionGroup, ...]
+    ring_write: RingWrite
+    compress: dict[int, CompressPlan]  # by ratio
+
+
+def build_plan(cfg: ModelConfig, batch: ForwardBatch, page_size: int) -> BatchPlan:
+    decodes = [c for c in batch.chunks if len(c.token_ids) == 1]
+    members = ([decodes] if decodes else []) + [[c] for c in batch.chunks if len(c.token_ids) > 1]
+    # Tokens are laid out group by group (all decodes first), so each group is one contiguous range.
+    order = [c for group in members for c in group]
+    chunks = _Chunks.of(order, page_size)
+    row_of = {id(c): i for i, c in enumerate(order)}
+    sampled = torch.tensor([row_of[id(c)] for c in batch.chunks if c.sample], dtype=torch.int64)
+    ratios = sorted({r for r in cfg.compress_ratios if r})
+    groups, first = [], 0
+    for group in members:
+        groups.append(_attention_group(cfg, chunks.select(first, first + len(group)), ratios))
+        first += len(group)
+    return BatchPlan(
+        token_ids=torch.tensor([t for c in order for t in c.token_ids], dtype=torch.int64),
+        positions=_ragged_arange(chunks.start, chunks.end)[0],
+        sample_tokens=chunks.offset[sampled] + chunks.length[sampled] - 1,
+        groups=tuple(groups),
+        ring_write=_ring_write(chunks, cfg.sliding_window),
+        compress={r: _compress_plan(chunks, r, _state_rows(cfg, r)) for r in ratios},
+    )
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """The chunks of the flattened batch (in token-row order) as per-chunk tensors [C]."""
+
+    start: torch.Tensor
+    length: torch.Tensor
+    offset: torch.Tensor  # first token row
+    slot: torch.Tensor
+    page_table: torch.Tensor  # [C, max pages], each row padded with its last page
+    page_size: int
+    num_tokens: int  # T, of the whole batch
+
+    @classmethod
+    def of(cls, chunks, page_size: int) -> _Chunks:
+        length = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int64)
+        width = max((len(c.page_ids) for c in chunks), default=1)
+        return cls(
+            start=torch.tensor([c.start_pos for c in chunks], dtype=torch.int64),
+            length=length,
+            offset=torch.cumsum(length, 0) - length,
+            slot=torch.tensor([c.slot for c in chunks], dtype=torch.int64),
+            page_table=torch.tensor([list(c.page_ids) + [c.page_ids[-1]] * (width - len(c.page_ids)) for c in chunks],
+                                    dtype=torch.int64).view(len(chunks), width),
+            page_size=page_size,
+            num_tokens=int(length.sum()),
+        )
+
+    @property
+    def end(self) -> torch.Tensor:
+        return self.start + self.length
+
+    def select(self, first: int, stop: int) -> _Chunks:
+        return _Chunks(self.start[first:stop], self.length[first:stop], self.offset[first:stop],
+                       self.slot[first:stop], self.page_table[first:stop], self.page_size, self.num_tokens)
+
+    def page_coordinates(self, chunk: torch.Tensor, first_token: torch.Tensor, ratio: int):
+        """(page id, row in page) of the compressed rows of `chunk` whose windows start at `first_token`
+        (broadcast together); positions past a chunk's page table read its last page."""
+        page_index = (first_token // self.page_size).clamp(max=self.page_table.shape[1] - 1)
+        return self.page_table[chunk, page_index], (first_token % self.page_size) // ratio
+
+
+def _ragged_arange(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cat(arange(low[i], high[i]) for each i), and the i each value came from."""
+    counts = (high - low).clamp(min=0)
+    owner = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    first = torch.cumsum(counts, 0) - counts
+    return torch.arange(int(counts.sum())) - first[owner] + low[owner], owner
+
+
+def _state_rows(cfg: ModelConfig, ratio: int) -> int:
+    kind = next(cfg.layer_kind(i) for i, r in enumerate(cfg.compress_ratios) if r == ratio)
+    return compressor_state_rows(kind, ratio)
+
+
+def _compress_plan(chunks: _Chunks, ratio: int, state_rows: int) -> CompressPlan:
+    lookback = state_rows - ratio  # CSA keeps the previous window for its overlap half; HCA keeps none
+    start, end = chunks.start, chunks.end
+    window_start, new_window_start = start - start % ratio, end - end % ratio
+    # Rows are first numbered in a virtual space: [tokens (T) | empty row | state (slot, row) ...].
+    empty = chunks.num_tokens
+    first_state = empty + 1
+
+    def source(p: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+        """Virtual row of position p of `chunk` (broadcast together)."""
+        from_chunk = chunks.offset[chunk] + p - start[chunk]
+        from_state = first_state + chunks.slot[chunk] * state_rows + p - window_start[chunk] + lookback
+        return torch.where(p < 0, empty, torch.where(p >= start[chunk], from_chunk, from_state))
+
+    windows, owner = _ragged_arange(start // ratio, end // ratio)  # the windows this batch completes
+    first = windows * ratio
+    window_sources = source(first.unsqueeze(1) + torch.arange(-lookback, ratio), owner.unsqueeze(1))
+    window_pages, window_page_rows = chunks.page_coordinates(owner, first, ratio)
+
+    # The new state: the overlap window and the partial one; rows from before the chunk that stay
+    # where they are (no window completed) are left alone.
+    low = (new_window_start - lookback).clamp(min=0)
+    low = torch.where(new_window_start == window_start, torch.maximum(low, start), low)
+    kept, kept_owner = _ragged_arange(low, end)
+    update_sources = source(kept, kept_owner)
+
+    # Renumber into `source` order: the state rows actually read, then tokens, then the empty row.
+    virtual = torch.cat([window_sources.flatten(), update_sources])
+    state_refs = torch.unique(virtual[virtual >= first_state]) - first_state
+    n_read = state_refs.numel()
+
+    def renumber(v: torch.Tensor) -> torch.Tensor:
+        rank = torch.searchsorted(state_refs, (v - first_state).clamp(min=0))
+        return torch.where(v >= first_state, rank, v + n_read)
+
+    return CompressPlan(
+        ratio=ratio,
+        state_slots=state_refs // state_rows,
+        state_rows=state_refs % state_rows,
+        window_sources=renumber(window_sources),
+        window_positions=first,
+        window_pages=window_pages,
+        window_page_rows=window_page_rows,
+        update_slots=chunks.slot[kept_owner],
+        update_rows=kept - new_window_start[kept_owner] + lookback,
+        update_sources=renumber(update_sources),
+    )
+
+
+def _attention_group(cfg: ModelConfig, chunks: _Chunks, ratios) -> AttentionGroup:
+    window, batch, length = cfg.sliding_window, len(chunks.start), int(chunks.length[0])
+    block = min(length, window)
+    blocks = -(-length // block)
+    # Block n, query j of the block, band row k: the band row sits at position start - W + 1 + n*Q + k.
+    n = torch.arange(blocks).view(1, blocks, 1, 1)
+    j = torch.arange(block).view(1, 1, block, 1)
+    k = torch.arange(block + window - 1).view(1, 1, 1, -1)
+    start = chunks.start.view(batch, 1, 1, 1)
+    band_allowed = (k >= j) & (k < j + window) & (n * block + j < length) & (start - window + 1 + n * block + k >= 0)
+    ring_positions = chunks.start.unsqueeze(1) + torch.arange(1 - window, 0)  # [B, W-1]
+    positions = chunks.start.unsqueeze(1) + torch.arange(length)  # [B, L]
+    return AttentionGroup(
+        first_token=int(chunks.offset[0]),
+        batch=batch,
+        length=length,
+        block=block,
+        slots=chunks.slot.unsqueeze(1),
+        ring_rows=ring_positions % window,
+        ring_exists=ring_positions >= 0,
+        band_allowed=band_allowed,
+        compressed={r: _compressed_rows(chunks, positions, r) for r in ratios},
+    )
+
+
+def _compressed_rows(chunks: _Chunks, positions: torch.Tensor, ratio: int) -> CompressedRows:
+    rows = torch.arange(int((chunks.end // ratio).max()))
+    owner = torch.arange(len(chunks.start)).unsqueeze(1)
+    pages, page_rows = chunks.page_coordinates(owner, rows * ratio, ratio)
+    return CompressedRows(
+        pages=pages,
+        page_rows=page_rows.expand_as(pages),
+        exists=rows < (chunks.end // ratio).unsqueeze(1),
+        visible=rows < ((positions + 1) // ratio).unsqueeze(-1),
+    )
+
+
+def _ring_write(chunks: _Chunks, window: int) -> RingWrite:
+    positions, owner = _ragged_arange(torch.maximum(chunks.start, chunks.end - window), chunks.end)
+    return RingWrite(
+        slots=chunks.slot[owner],
+        rows=positions % window,
+        tokens=chunks.offset[owner] + positions - chunks.start[owner],
+    )

@@ -1,0 +1,138 @@
+"""POST /v1/chat/completions: messages in; reasoning, content and tool calls out.
+
+Engine text goes through one dsv4.chat.StreamingChatParser per request, streaming or not, so
+both modes agree, DSML markup never reaches `content`, and finish_reason is "tool_calls" only
+when a call completed. Output the parser rejects (malformed DSML, an unknown tool) is an error
+the client sees, never text passed through.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from aiohttp import web
+
+from dsv4 import chat
+from dsv4.protocol import RequestOutput
+from dsv4.server import validation as v
+from dsv4.server.chat_prompt import ChatPrompt, build_chat_prompt
+from dsv4.server.completions import usage
+from dsv4.server.errors import bad_request, server_error
+from dsv4.server.ops import json_response
+from dsv4.server.state import ARGS, ENGINE, REQUEST_ID
+from dsv4.server.streaming import collect, engine_call, stream
+
+log = logging.getLogger(__name__)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    engine, args = request.app[ENGINE], request.app[ARGS]
+    body: v.ChatCompletionBody = await v.decode_body(request, v.ChatCompletionBody, args.max_request_bytes)
+    v.check_model(body.model, engine.model_name)
+    v.check_single_choice(body.n)
+    if body.logprobs or body.top_logprobs:
+        param = "logprobs" if body.logprobs else "top_logprobs"
+        raise bad_request("logprobs are not supported", param=param, code="unsupported_parameter")
+    prompt = build_chat_prompt(body)
+    input_ids = list(engine.tokenizer.encode(prompt.text))
+    tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(engine.max_context - len(input_ids), 1)  # OpenAI's default: the rest of the context
+    sampling = v.make_sampling(
+        max_new_tokens=max_tokens, tokens_param=tokens_param, temperature=body.temperature, top_p=body.top_p,
+        top_k=body.top_k, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos, vocab_size=engine.model_config.vocab_size,
+    )
+    v.check_fits(len(input_ids), max_tokens, engine.max_context, "messages", tokens_param)
+    reply = _ChatReply(f"chatcmpl-{request[REQUEST_ID]}", engine.model_name, prompt, len(input_ids))
+    async with engine_call(request, input_ids, sampling, "messages") as call:
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await stream(request, call, _ChatStream(reply, include_usage))
+        _, text, final = await collect(call)
+        return json_response(reply.whole(text, final.finish_reason, call.completion_tokens))
+
+
+class _ChatReply:
+    """Builds the response objects of one request around its parser."""
+
+    def __init__(self, completion_id: str, model: str, prompt: ChatPrompt, prompt_tokens: int):
+        self.id = completion_id
+        self.model = model
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.thinking = prompt.thinking
+        self.parser = chat.StreamingChatParser(thinking=prompt.thinking, tools=prompt.tool_names)
+        self.forced_deltas = self.parser.feed(prompt.forced_start) if prompt.forced_start else []
+
+    def finish(self, engine_finish_reason: str | None) -> tuple[list[dict], dict]:
+        deltas, info = self.parser.finish(engine_finish_reason)
+        if info["parse_error"]:
+            log.warning("%s: model output rejected by the chat parser: %s", self.id, info["error"])
+        return deltas, info
+
+    def chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
+        return {**self._envelope("chat.completion.chunk"),
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+    def usage_chunk(self, completion_tokens: int) -> dict:
+        return {**self._envelope("chat.completion.chunk"), "choices": [],
+                "usage": usage(self.prompt_tokens, completion_tokens)}
+
+    def whole(self, text: str, engine_finish_reason: str | None, completion_tokens: int) -> dict:
+        self.parser.feed(text)
+        _, info = self.finish(engine_finish_reason)
+        if info["parse_error"]:
+            raise invalid_output(info)
+        message: dict = {"role": "assistant", "content": info["content"]}
+        if self.thinking:
+            message["reasoning_content"] = info["reasoning_content"]
+        if info["tool_calls"]:
+            message["content"] = info["content"] or None
+            message["tool_calls"] = [
+                {"id": call["id"], "type": "function",
+                 "function": {"name": call["name"], "arguments": call["arguments_json"]}}
+                for call in info["tool_calls"]
+            ]
+        return {**self._envelope("chat.completion"),
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": info["finish_reason"]}],
+                "usage": usage(self.prompt_tokens, completion_tokens)}
+
+    def _envelope(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def invalid_output(info: dict):
+    return server_error(f"the model's output is not a valid reply: {info['error']}", code="invalid_model_output")
+
+
+class _ChatStream:
+    def __init__(self, reply: _ChatReply, include_usage: bool):
+        self.reply = reply
+        self.include_usage = include_usage
+        self.failed = False
+
+    def opening(self) -> list:
+        first = self.reply.chunk({"role": "assistant", "content": ""})
+        return [first, *(self.reply.chunk(d) for d in self.reply.forced_deltas)]
+
+    def events(self, output: RequestOutput) -> list:
+        deltas = self.reply.parser.feed(output.text) if output.text else []
+        events = [self.reply.chunk(d) for d in deltas]
+        if output.finished:
+            deltas, info = self.reply.finish(output.finish_reason)
+            events += [self.reply.chunk(d) for d in deltas]
+            if info["parse_error"]:
+                self.failed = True
+                events.append(invalid_output(info).body())
+            else:
+                events.append(self.reply.chunk({}, info["finish_reason"]))
+        return events
+
+    def closing(self, call) -> list:
+        if self.failed or not self.include_usage:
+            return []
+        return [self.reply.usage_chunk(call.completion_tokens)]

@@ -1,0 +1,112 @@
+"""POST /v1/completions: a prompt string or token ids in, text out (OpenAI's legacy API)."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from dsv4.protocol import RequestOutput
+from dsv4.server import validation as v
+from dsv4.server.errors import bad_request
+from dsv4.server.ops import json_response
+from dsv4.server.state import ARGS, ENGINE, REQUEST_ID
+from dsv4.server.streaming import collect, engine_call, stream
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for this endpoint
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    engine, args = request.app[ENGINE], request.app[ARGS]
+    body: v.CompletionBody = await v.decode_body(request, v.CompletionBody, args.max_request_bytes)
+    v.check_model(body.model, engine.model_name)
+    v.check_single_choice(body.n)
+    _check_unsupported(body)
+    input_ids = _prompt_ids(body.prompt, engine.tokenizer)
+    v.check_prompt_ids(input_ids, engine.model_config.vocab_size, "prompt")
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    sampling = v.make_sampling(
+        max_new_tokens=max_tokens, tokens_param="max_tokens", temperature=body.temperature, top_p=body.top_p,
+        top_k=body.top_k, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos, vocab_size=engine.model_config.vocab_size,
+    )
+    v.check_fits(len(input_ids), max_tokens, engine.max_context, "prompt", "max_tokens")
+    chunk = _ChunkBuilder(f"cmpl-{request[REQUEST_ID]}", engine.model_name, len(input_ids))
+    async with engine_call(request, input_ids, sampling, "prompt") as call:
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await stream(request, call, _CompletionStream(chunk, include_usage))
+        _, text, final = await collect(call)
+        return json_response(chunk.whole(text, final.finish_reason, call.completion_tokens))
+
+
+def _check_unsupported(body: v.CompletionBody) -> None:
+    if body.logprobs is not None:
+        raise bad_request("logprobs are not supported", param="logprobs", code="unsupported_parameter")
+    if body.echo:
+        raise bad_request("echo is not supported", param="echo", code="unsupported_parameter")
+    if body.suffix:
+        raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
+    if body.best_of not in (None, 1):
+        raise bad_request("only best_of=1 is supported", param="best_of", code="unsupported_parameter")
+
+
+def _prompt_ids(prompt, tokenizer) -> list[int]:
+    if isinstance(prompt, list) and not all(isinstance(item, int) for item in prompt):
+        if len(prompt) != 1:
+            raise bad_request("give one prompt: a string or a list of token ids", param="prompt",
+                              code="unsupported_parameter")
+        prompt = prompt[0]
+        if isinstance(prompt, int):
+            prompt = [prompt]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("the prompt is empty", param="prompt")
+        return list(tokenizer.encode(prompt))
+    return list(prompt)
+
+
+class _ChunkBuilder:
+    def __init__(self, completion_id: str, model: str, prompt_tokens: int):
+        self.id = completion_id
+        self.model = model
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+
+    def _envelope(self, choices: list) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def delta(self, text: str, finish_reason: str | None) -> dict:
+        return self._envelope([{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+
+    def usage_only(self, completion_tokens: int) -> dict:
+        return {**self._envelope([]), "usage": usage(self.prompt_tokens, completion_tokens)}
+
+    def whole(self, text: str, finish_reason: str | None, completion_tokens: int) -> dict:
+        return {**self.delta(text, finish_reason), "usage": usage(self.prompt_tokens, completion_tokens)}
+
+
+class _CompletionStream:
+    def __init__(self, chunk: _ChunkBuilder, include_usage: bool):
+        self.chunk = chunk
+        self.include_usage = include_usage
+
+    def opening(self) -> list:
+        return []
+
+    def events(self, output: RequestOutput) -> list:
+        if not output.text and not output.finished:
+            return []
+        return [self.chunk.delta(output.text, output.finish_reason if output.finished else None)]
+
+    def closing(self, call) -> list:
+        return [self.chunk.usage_only(call.completion_tokens)] if self.include_usage else []

@@ -1,0 +1,277 @@
+"""Typed request bodies (msgspec) and the checks that turn bad input into a 4xx naming the field."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+from aiohttp import web
+
+from dsv4.protocol import SamplingParams
+from dsv4.server.errors import ApiError, bad_request
+
+MAX_STOP_SEQUENCES = 16
+
+# msgspec reports where a value failed as "... - at `$.messages[0].role`", or names a missing
+# field as "missing required field `model`"; both become the OpenAI `param`.
+_AT_PATH = re.compile(r"- at `\$\.?(?P<path>[^`]*)`")
+_MISSING_FIELD = re.compile(r"missing required field `(?P<name>[^`]+)`")
+
+
+# -- bodies ----------------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # a JSON object serialised as a string, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str
+    # A list holds content parts ({"type": "text", "text": ...}); the encoder renders them.
+    content: str | list[dict] | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDef(msgspec.Struct, kw_only=True):
+    function: FunctionDef
+    type: str = "function"
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    function: NamedFunction
+    type: str = "function"
+
+
+class JsonSchemaSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    type: str
+    json_schema: JsonSchemaSpec | None = None
+
+
+class OpenAISampling(msgspec.Struct, kw_only=True):
+    """Sampling fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension, as in vLLM and SGLang
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool = False  # extension
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored
+
+
+class ChatCompletionBody(OpenAISampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    # Tools and response_format are kept raw so that they reach the prompt in the client's key
+    # order (the encoder re-serialises them verbatim); each is still validated against its Struct.
+    response_format: msgspec.Raw = msgspec.Raw()  # empty when absent (msgspec has no Raw | None)
+    tools: list[msgspec.Raw] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # the DSML format always allows several calls
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict | None = None
+
+
+class CompletionBody(OpenAISampling, kw_only=True):
+    # str, token ids, or a batch of one of either (msgspec allows one array type per union)
+    prompt: str | list[str | int | list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class NativeSampling(msgspec.Struct, kw_only=True):
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+class GenerateBody(msgspec.Struct, kw_only=True):
+    input_ids: list[int] | None = None
+    text: str | None = None
+    sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
+    stream: bool = False
+
+
+# -- decoding --------------------------------------------------------------------------------------
+
+
+async def decode_body(request: web.Request, body_type: type, max_bytes: int):
+    declared = request.content_length
+    if declared is not None and declared > max_bytes:
+        raise _too_large(max_bytes)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise _too_large(max_bytes) from None
+    return decode_json(raw, body_type)
+
+
+def decode_json(raw: bytes, body_type: type):
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8") from None
+    return _decode(raw, body_type, "")
+
+
+def decode_part(raw: msgspec.Raw, part_type: type, path: str):
+    """Validates one raw part of an already decoded body; errors name `path` and below."""
+    return _decode(raw, part_type, path)
+
+
+def _decode(raw, body_type: type, path_prefix: str):
+    try:
+        return msgspec.json.decode(raw, type=body_type)
+    except msgspec.ValidationError as e:
+        raise bad_request(str(e), param=_join(path_prefix, _field_of(str(e))), code="invalid_type") from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large")
+
+
+def _field_of(message: str) -> str | None:
+    at = _AT_PATH.search(message)
+    path = at.group("path") if at else ""
+    missing = _MISSING_FIELD.search(message)
+    if missing:
+        path = _join(path, missing.group("name"))
+    return path or None
+
+
+def _join(prefix: str, path: str | None) -> str | None:
+    if not prefix:
+        return path
+    if not path:
+        return prefix
+    return prefix + path if path.startswith("[") else f"{prefix}.{path}"
+
+
+# -- checks shared by every generation route -------------------------------------------------------
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise ApiError(404, f"model {requested!r} does not exist; this server serves {served!r}",
+                       param="model", code="model_not_found")
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    if not ids:
+        raise bad_request("the prompt is empty", param=param)
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"token id {token} at index {i} is outside the vocabulary [0, {vocab_size})",
+                              param=param, code="invalid_token_id")
+
+
+def check_fits(prompt_len: int, max_new_tokens: int, max_context: int, prompt_param: str, tokens_param: str) -> None:
+    if prompt_len >= max_context:
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens; this model's context is {max_context} tokens",
+            param=prompt_param, code="context_length_exceeded",
+        )
+    if prompt_len + max_new_tokens > max_context:
+        raise bad_request(
+            f"{tokens_param}={max_new_tokens} with a {prompt_len}-token prompt exceeds the {max_context}-token"
+            f" context; at most {max_context - prompt_len} new tokens fit",
+            param=tokens_param, code="context_length_exceeded",
+        )
+
+
+def make_sampling(
+    *,
+    max_new_tokens: int,
+    tokens_param: str,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    seed: int | None,
+    stop: str | list[str] | None,
+    stop_token_ids: list[int] | None,
+    ignore_eos: bool,
+    vocab_size: int,
+    field_prefix: str = "",
+) -> SamplingParams:
+    """`field_prefix` names where the sampling fields sit in the body ("sampling_params." natively)."""
+    f = field_prefix
+    if max_new_tokens < 1:
+        raise bad_request(f"{tokens_param} must be at least 1, got {max_new_tokens}", param=tokens_param)
+    if temperature is not None and not 0.0 <= temperature <= 2.0:
+        raise bad_request(f"temperature must be within [0, 2], got {temperature}", param=f + "temperature")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise bad_request(f"top_p must be within (0, 1], got {top_p}", param=f + "top_p")
+    if top_k is not None and top_k < -1:
+        raise bad_request(f"top_k must be -1 (off) or non-negative, got {top_k}", param=f + "top_k")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise bad_request(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported", param=f + "stop")
+    if any(not s for s in stops):
+        raise bad_request("stop sequences must not be empty", param=f + "stop")
+    for token in stop_token_ids or ():
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"stop token id {token} is outside the vocabulary", param=f + "stop_token_ids")
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=-1 if not top_k else top_k,  # 0 means "no cut" too, as in vLLM
+        seed=seed,
+        stop=stops,
+        stop_token_ids=tuple(stop_token_ids or ()),
+        ignore_eos=ignore_eos,
+    )
+
+
+def check_single_choice(n: int) -> None:
+    if n != 1:
+        raise bad_request(f"only n=1 is supported, got n={n}", param="n", code="unsupported_parameter")

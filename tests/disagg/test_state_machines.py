@@ -1,0 +1,307 @@
+"""Both transfer state machines over real UCX loopback, with fake engines on either side."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+
+from conftest import FAST, wait_until
+from pd_fakes import PAGE_SIZE, FakeDecodeTarget, FakePrefillSource, expected_state
+
+from dsv4.disagg.decode import DecodeState
+from dsv4.disagg.prefill import PrefillServer, PrefillState
+from dsv4.protocol import GenerationRequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
+
+
+def request(rid: str, length: int, deadline: float | None = None) -> GenerationRequest:
+    prompt = tuple((i * 7 + length) % 1000 for i in range(length))
+    return GenerationRequest(rid=rid, input_ids=prompt, sampling=GREEDY, deadline=deadline)
+
+
+async def run(pair, req, timeout: float = 15.0):
+    async with asyncio.timeout(timeout):
+        return [o async for o in pair.decode.submit(req)]
+
+
+def served_correctly(pair, req, outs) -> bool:
+    expected = expected_state(req.input_ids)
+    got = pair.target.admitted.get(req.rid)
+    return (
+        outs[-1].finish_reason == "length"
+        and outs[-1].token_ids == (expected.first_token,)
+        and got is not None
+        and got[1] == [p.tobytes() for p in expected.pages]
+        and got[2] == expected.slot.tobytes()
+    )
+
+
+async def assert_no_leaks(pair):
+    await pair.settle()
+    assert pair.target.leaked() == {}
+    assert pair.decode.staging.in_use == 0
+    assert not pair.prefill.debug()["transfers"]
+
+
+async def test_mixed_lengths_arrive_byte_exact(make_pair):
+    pair = await make_pair(verify=True)
+    reqs = [request(f"r{i}", random.Random(i).randint(1, 5 * PAGE_SIZE)) for i in range(24)]
+    results = await asyncio.gather(*(run(pair, r) for r in reqs))
+    assert all(served_correctly(pair, r, outs) for r, outs in zip(reqs, results))
+    await assert_no_leaks(pair)
+    assert pair.decode.metrics.sample("dsv4_pd_transfers", outcome="done") == 24
+    assert pair.prefill.metrics.sample("dsv4_pd_transfers", outcome="committed") == 24
+
+
+async def _state_reached(pair, rid, state: DecodeState, timeout=5.0):
+    await wait_until(lambda: rid in pair.decode.transfers and pair.decode.transfers[rid].state is state,
+                     timeout, f"{rid} to reach {state.value}")
+
+
+async def test_decode_abort_while_bootstrapping(make_pair):
+    pair = await make_pair(target=FakeDecodeTarget(num_pages=1))  # 3 pages never fit: stays bootstrapping
+    task = asyncio.ensure_future(run(pair, request("a", 3 * PAGE_SIZE)))
+    await _state_reached(pair, "a", DecodeState.BOOTSTRAPPING)
+    await asyncio.sleep(0.1)
+    assert pair.decode.abort("a", "client disconnected")
+    outs = await task
+    assert outs[-1].finish_reason == "abort" and "client disconnected" in outs[-1].error
+    await assert_no_leaks(pair)
+
+
+async def test_decode_abort_while_waiting_for_prefill_cancels_the_computation(make_pair):
+    source = FakePrefillSource()
+    source.gate = asyncio.Event()
+    pair = await make_pair(source=source)
+    task = asyncio.ensure_future(run(pair, request("w", 200)))
+    await _state_reached(pair, "w", DecodeState.WAITING_FOR_PREFILL)
+    await wait_until(lambda: source.running, 5, "the computation to start")
+    pair.decode.abort("w")
+    outs = await task
+    assert outs[-1].finish_reason == "abort"
+    await assert_no_leaks(pair)
+    assert len(source.cancelled) == 1
+    assert pair.decode.metrics.sample("dsv4_pd_drains") == 1
+    assert pair.prefill.metrics.sample("dsv4_pd_aborts", origin="decode") == 1
+
+
+async def test_decode_abort_mid_transfer_waits_for_drain_before_release(make_pair):
+    pair = await make_pair(prefill_faults="delay:payload:1.0:150ms")
+    task = asyncio.ensure_future(run(pair, request("t", 4 * PAGE_SIZE)))
+    await _state_reached(pair, "t", DecodeState.TRANSFERRING)
+    held = pair.target.allocator.pages.num_free
+    pair.decode.abort("t")
+    outs = await task
+    assert outs[-1].finish_reason == "abort"
+    # The answer is immediate; the pages come back only once the prefill side proved it drained.
+    assert pair.target.allocator.pages.num_free == held
+    await assert_no_leaks(pair)
+    assert "t" not in pair.target.admitted
+    assert pair.decode.metrics.sample("dsv4_pd_drains") == 1
+
+
+async def test_abort_racing_the_commit_is_never_admitted(make_pair):
+    target = FakeDecodeTarget()
+    gate = asyncio.Event()
+    install = target.install
+
+    async def slow_install(*args):
+        await gate.wait()
+        return await install(*args)
+
+    target.install = slow_install
+    pair = await make_pair(target=target)
+    task = asyncio.ensure_future(run(pair, request("c", 300)))
+    await _state_reached(pair, "c", DecodeState.COMMITTING)
+    pair.decode.abort("c", "client disconnected")
+    gate.set()
+    outs = await task
+    assert outs[-1].finish_reason == "abort"
+    assert "c" not in target.admitted  # the success after the failure was downgraded
+    await assert_no_leaks(pair)
+
+
+async def test_prefill_failure_is_sent_to_decode_and_names_the_peer(make_pair):
+    source = FakePrefillSource()
+
+    async def broken(rid, prompt_ids, sampling):
+        raise RuntimeError("prefill engine out of memory")
+
+    source.compute = broken
+    pair = await make_pair(source=source)
+    outs = await run(pair, request("p", 100))
+    assert outs[-1].finish_reason == "error"
+    assert "prefill engine out of memory" in outs[-1].error
+    assert pair.decode.peers[0].addr in outs[-1].error
+    await assert_no_leaks(pair)
+    assert pair.decode.metrics.sample("dsv4_pd_aborts", origin="prefill") == 1
+    # A bug in the prefill's transfer task is a supervised death: the instance says so.
+    ready, reasons = pair.prefill.ready()
+    assert not ready and "prefill engine out of memory" in reasons[0]
+
+
+async def test_prefill_sending_deadline_fences_the_link_and_decode_recovers(make_pair):
+    pair = await make_pair(prefill_faults="delay:payload:1.0:400ms",
+                           prefill_timeouts=dataclasses.replace(FAST, transfer=0.3))
+    outs = await run(pair, request("slow", 3 * PAGE_SIZE))
+    assert outs[-1].finish_reason == "error" and pair.decode.peers[0].addr in outs[-1].error
+    assert pair.prefill.metrics.sample("dsv4_pd_fenced_leases") == 1
+    await assert_no_leaks(pair)
+    await wait_until(lambda: pair.decode.ready()[0], 10, "decode to reconnect")
+
+
+async def test_kill_transfer_task_fault_fails_the_request_and_reports_not_ready(make_pair):
+    pair = await make_pair(prefill_faults="kill:transfer_task")
+    outs = await run(pair, request("k", 100))
+    assert outs[-1].finish_reason == "error" and "kill:transfer_task" in outs[-1].error
+    assert not pair.prefill.ready()[0]
+    await assert_no_leaks(pair)
+    # The prefill instance says it is not ready and why; decode stops routing to it and says so.
+    await wait_until(lambda: not pair.decode.ready()[0], 5, "decode to stop trusting the prefill peer")
+    assert "kill:transfer_task" in pair.decode.ready()[1][0]
+
+
+async def test_request_deadline_in_every_waiting_state(make_pair):
+    source = FakePrefillSource()
+    source.gate = asyncio.Event()
+    pair = await make_pair(source=source)
+    started = time.monotonic()
+    outs = await run(pair, request("d", 100, deadline=time.monotonic() + 0.5))
+    assert outs[-1].finish_reason == "error"
+    assert "deadline exceeded in state waiting_for_prefill" in outs[-1].error
+    assert time.monotonic() - started < 1.5
+    await assert_no_leaks(pair)
+    assert source.cancelled
+
+
+async def test_prefill_queued_state_has_a_deadline(make_pair):
+    source = FakePrefillSource()
+    source.gate = asyncio.Event()
+    pair = await make_pair(source=source)
+    pair.prefill._compute_permits = asyncio.Semaphore(1)
+    first = asyncio.ensure_future(run(pair, request("q1", 50, deadline=time.monotonic() + 0.6)))
+    second = asyncio.ensure_future(run(pair, request("q2", 60, deadline=time.monotonic() + 0.6)))
+    await wait_until(lambda: any(r.state is PrefillState.QUEUED for p in pair.prefill._peers.values()
+                                 for r in p.rooms.values()), 5, "a queued room")
+    for outs in await asyncio.gather(first, second):
+        assert outs[-1].finish_reason == "error" and "deadline" in outs[-1].error
+    await assert_no_leaks(pair)
+
+
+async def test_duplicated_frames_are_harmless(make_pair):
+    pair = await make_pair(prefill_faults="duplicate:*:1.0", decode_faults="duplicate:*:1.0", verify=True)
+    reqs = [request(f"u{i}", 90 * (i + 1)) for i in range(6)]
+    results = await asyncio.gather(*(run(pair, r) for r in reqs))
+    assert all(served_correctly(pair, r, outs) for r, outs in zip(reqs, results))
+    assert pair.decode.metrics.sample("dsv4_pd_dropped_frames", reason="duplicate") >= 6
+    await assert_no_leaks(pair)
+
+
+async def test_commit_before_payload_is_rejected(make_pair):
+    pair = await make_pair(prefill_faults="drop:payload:1.0")
+    outs = await run(pair, request("x", 300))
+    assert outs[-1].finish_reason == "error" and "commit before payload" in outs[-1].error
+    assert "x" not in pair.target.admitted
+    await assert_no_leaks(pair)
+
+
+async def test_corrupt_payload_is_never_served(make_pair):
+    pair = await make_pair(prefill_faults="corrupt:payload:1.0")
+    outs = await run(pair, request("z", 300))
+    assert outs[-1].finish_reason == "error" and "checksum" in outs[-1].error
+    assert "z" not in pair.target.admitted
+    await assert_no_leaks(pair)
+
+
+async def test_verify_mode_catches_bytes_that_changed_after_receipt(make_pair):
+    pair = await make_pair(target=FakeDecodeTarget(corrupt_install=True), verify=True)
+    outs = await run(pair, request("v", 300))
+    assert outs[-1].finish_reason == "error" and "checksum mismatch on pages [0]" in outs[-1].error
+    assert "v" not in pair.target.admitted
+    await assert_no_leaks(pair)
+
+
+async def test_stale_generation_payload_is_rejected_and_counted(make_pair):
+    source = FakePrefillSource()
+    source.gate = asyncio.Event()
+    pair = await make_pair(source=source)
+    task = asyncio.ensure_future(run(pair, request("s", 200)))
+    await _state_reached(pair, "s", DecodeState.WAITING_FOR_PREFILL)
+    t = pair.decode.transfers["s"]
+    room = next(r for p in pair.prefill._peers.values() for r in p.rooms.values())
+    from dsv4.protocol import PayloadHeader
+
+    stale = PayloadHeader(room=t.room, seq=0, target="page", index=0, generation=t.pages[0].generation - 1,
+                          nbytes=pair.target.capabilities.page_bytes, checksum=0)
+    await room.link.send(stale)
+    outs = await task
+    assert outs[-1].finish_reason == "error" and "generation" in outs[-1].error
+    assert pair.decode.metrics.sample("dsv4_pd_dropped_frames", reason="stale_generation") == 1
+    source.gate.set()
+    await assert_no_leaks(pair)
+
+
+async def test_lease_expiry_fences_a_peer_that_never_drains(make_pair):
+    source = FakePrefillSource()
+    source.gate = asyncio.Event()
+    pair = await make_pair(source=source, prefill_faults="drop:drain_ack:1.0,drop:abort:1.0")
+    task = asyncio.ensure_future(run(pair, request("l", 200)))
+    await _state_reached(pair, "l", DecodeState.WAITING_FOR_PREFILL)
+    pair.decode.abort("l")
+    outs = await task
+    assert outs[-1].finish_reason == "abort"
+    await wait_until(lambda: pair.decode.metrics.sample("dsv4_pd_fenced_leases") == 1, FAST.lease + 3, "a fence")
+    await assert_no_leaks(pair)
+    # The decode side reconnects and serves again.
+    await wait_until(lambda: pair.decode.ready()[0], 10, "readiness after the fence")
+    source.gate.set()
+    outs = await run(pair, request("l2", 200))
+    assert served_correctly(pair, request("l2", 200), outs)
+
+
+async def test_killed_prefill_fails_its_requests_and_decode_recovers(make_pair):
+    source = FakePrefillSource()
+    source.gate = asyncio.Event()
+    pair = await make_pair(source=source)
+    port = pair.prefill.port
+    tasks = [asyncio.ensure_future(run(pair, request(f"k{i}", 150))) for i in range(4)]
+    await wait_until(lambda: len(source.running) == 4, 5, "computations to start")
+    await pair.prefill.stop()
+    for outs in await asyncio.gather(*tasks):
+        assert outs[-1].finish_reason == "error" and f"127.0.0.1:{port}" in outs[-1].error
+    await wait_until(lambda: not pair.decode.ready()[0], 5, "decode to report the lost peer")
+    assert "no prefill peer reachable" in pair.decode.ready()[1][0]
+    assert pair.target.leaked() == {}
+    # A prefill instance comes back on the same address: decode reconnects, turns ready and serves.
+    revived = PrefillServer(FakePrefillSource(), port=port, timeouts=FAST)
+    await revived.start()
+    try:
+        await wait_until(lambda: pair.decode.ready()[0], 10, "readiness with the new prefill instance")
+        outs = await run(pair, request("k-after", 150))
+        assert served_correctly(pair, request("k-after", 150), outs)
+    finally:
+        await revived.stop()
+
+
+async def test_abort_storm_leaves_nothing_behind(make_pair):
+    pair = await make_pair(prefill_faults="delay:payload:0.3:20ms")
+    rng = random.Random(7)
+    for round_ in range(3):
+        reqs = [request(f"s{round_}-{i}", rng.randint(1, 4 * PAGE_SIZE)) for i in range(60)]
+        tasks = [asyncio.ensure_future(run(pair, r, timeout=20)) for r in reqs]
+        for r in reqs:
+            if rng.random() < 0.9:
+                asyncio.get_running_loop().call_later(rng.uniform(0, 0.3), pair.decode.abort, r.rid, "storm")
+        results = await asyncio.gather(*tasks)  # none hangs: run() bounds each
+        for r, outs in zip(reqs, results):
+            assert outs[-1].finished
+            if outs[-1].finish_reason == "length":
+                assert served_correctly(pair, r, outs)
+        await assert_no_leaks(pair)
+    assert pair.decode.ready()[0] and pair.prefill.ready()[0]
+    reqs = [request(f"after-{i}", 64 * (i + 1)) for i in range(16)]
+    results = await asyncio.gather(*(run(pair, r) for r in reqs))
+    assert all(served_correctly(pair, r, outs) for r, outs in zip(reqs, results))

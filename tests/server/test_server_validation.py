@@ -1,0 +1,161 @@
+"""Bad input gets a 4xx JSON error naming the field, and the server stays up."""
+
+from __future__ import annotations
+
+import pytest
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+GENERATE = "/generate"
+HELLO = [{"role": "user", "content": "hi"}]
+TOO_LONG = "x" * 300  # the fake engine's context is 256 tokens of one character each
+
+BAD_BODIES = [
+    # (route, body, status, param, code)
+    (CHAT, {"messages": HELLO, "max_tokens": "ten"}, 400, "max_tokens", "invalid_type"),
+    (CHAT, {"messages": HELLO, "max_tokens": -1}, 400, "max_tokens", None),
+    (CHAT, {"messages": HELLO, "max_tokens": 0}, 400, "max_tokens", None),
+    (CHAT, {"messages": HELLO, "max_tokens": 10**9}, 400, "max_tokens", "context_length_exceeded"),
+    (CHAT, {"messages": HELLO, "max_completion_tokens": 10**9}, 400, "max_completion_tokens",
+     "context_length_exceeded"),
+    (CHAT, {"messages": [{"role": "user", "content": TOO_LONG}]}, 400, "messages", "context_length_exceeded"),
+    (CHAT, {"messages": []}, 400, "messages", None),
+    (CHAT, {"model": "gpt-5", "messages": HELLO}, 404, "model", "model_not_found"),
+    (CHAT, {"model": 7, "messages": HELLO}, 400, "model", "invalid_type"),
+    (CHAT, {}, 400, "messages", "invalid_type"),
+    (CHAT, {"messages": [{"content": "no role"}]}, 400, "messages[0].role", "invalid_type"),
+    (CHAT, {"messages": [{"role": 3, "content": "x"}]}, 400, "messages[0].role", "invalid_type"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", None),
+    (CHAT, {"messages": HELLO, "temperature": "hot"}, 400, "temperature", "invalid_type"),
+    (CHAT, {"messages": HELLO, "temperature": 7}, 400, "temperature", None),
+    (CHAT, {"messages": HELLO, "top_p": 0}, 400, "top_p", None),
+    (CHAT, {"messages": HELLO, "top_k": -5}, 400, "top_k", None),
+    (CHAT, {"messages": HELLO, "stream": "yes"}, 400, "stream", "invalid_type"),
+    (CHAT, {"messages": HELLO, "stop": ["ok", ""]}, 400, "stop", None),
+    (CHAT, {"messages": HELLO, "stop": 5}, 400, "stop", "invalid_type"),
+    (CHAT, {"messages": HELLO, "n": 2}, 400, "n", "unsupported_parameter"),
+    (CHAT, {"messages": HELLO, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+    (CHAT, {"messages": HELLO, "seed": "s"}, 400, "seed", "invalid_type"),
+    (CHAT, {"messages": HELLO, "stream_options": {"include_usage": 1}}, 400, "stream_options.include_usage",
+     "invalid_type"),
+    (CHAT, {"messages": HELLO, "tool_choice": "required"}, 400, "tool_choice", None),
+    (CHAT, {"messages": HELLO, "tool_choice": "sometimes",
+            "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice", None),
+    (CHAT, {"messages": HELLO, "tool_choice": {"type": "function", "function": {"name": "g"}},
+            "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice", None),
+    (CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {"description": "no name"}}]}, 400,
+     "tools[0].function.name", "invalid_type"),
+    (CHAT, {"messages": HELLO, "response_format": {"type": "xml"}}, 400, "response_format.type", None),
+    (CHAT, {"messages": HELLO, "reasoning_effort": "extreme"}, 400, "reasoning_effort", None),
+    (CHAT, {"messages": HELLO, "chat_template_kwargs": {"thinking": "yes"}}, 400,
+     "chat_template_kwargs.thinking", None),
+    (COMPLETIONS, {"prompt": TOO_LONG}, 400, "prompt", "context_length_exceeded"),
+    (COMPLETIONS, {"prompt": ""}, 400, "prompt", None),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter"),
+    (COMPLETIONS, {"prompt": [1, -2]}, 400, "prompt", "invalid_token_id"),
+    (COMPLETIONS, {"prompt": {"text": "x"}}, 400, "prompt", "invalid_type"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 255}, 400, "max_tokens", "context_length_exceeded"),
+    (COMPLETIONS, {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
+    (COMPLETIONS, {"prompt": "hi", "model": "other"}, 404, "model", "model_not_found"),
+    (GENERATE, {"text": "hi", "input_ids": [1]}, 400, "input_ids", None),
+    (GENERATE, {}, 400, "input_ids", None),
+    (GENERATE, {"input_ids": [5, 0x110000]}, 400, "input_ids", "invalid_token_id"),
+    (GENERATE, {"input_ids": "1 2 3"}, 400, "input_ids", "invalid_type"),
+    (GENERATE, {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, 400, "sampling_params.max_new_tokens",
+     None),
+    (GENERATE, {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "sampling_params.temperature", None),
+    (GENERATE, {"text": "hi", "sampling_params": {"top_k": "all"}}, 400, "sampling_params.top_k", "invalid_type"),
+    (GENERATE, {"text": "hi", "sampling_params": {"stop_token_ids": [-3]}}, 400,
+     "sampling_params.stop_token_ids", None),
+]
+
+
+async def assert_error(response, status: int, param: str | None, code: str | None = None) -> dict:
+    assert response.status == status, await response.text()
+    assert response.content_type == "application/json"
+    error = (await response.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and "Traceback" not in error["message"]
+    assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+async def assert_alive(client) -> None:
+    response = await client.get("/health")
+    assert response.status == 200
+
+
+@pytest.mark.parametrize("route,body,status,param,code", BAD_BODIES)
+async def test_bad_body_names_the_field(client, engine, route, body, status, param, code):
+    error = await assert_error(await client.post(route, json=body), status, param, code)
+    assert error["type"] == "invalid_request_error"
+    assert not engine.submitted  # nothing reached the engine
+    await assert_alive(client)
+
+
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS, GENERATE])
+@pytest.mark.parametrize(
+    "raw,code",
+    [(b"{not json", "invalid_json"), (b"", "invalid_json"), (b'{"prompt": "\xff\xfe"}', "invalid_utf8"),
+     (b"[1, 2]", "invalid_type")],
+)
+async def test_undecodable_body(client, route, raw, code):
+    response = await client.post(route, data=raw, headers={"Content-Type": "application/json"})
+    await assert_error(response, 400, None, code)
+    await assert_alive(client)
+
+
+async def test_body_over_the_limit_is_413(client):
+    huge = {"prompt": "x" * (64 * 1024)}
+    await assert_error(await client.post(COMPLETIONS, json=huge), 413, None, "request_too_large")
+    # Without a Content-Length the limit still holds, as aiohttp reads the chunked body.
+    async def chunks():
+        for _ in range(80):
+            yield b"x" * 1024
+    response = await client.post(COMPLETIONS, data=chunks(), headers={"Content-Type": "application/json"})
+    await assert_error(response, 413, None)
+    await assert_alive(client)
+
+
+async def test_engine_refusal_is_400(client, engine):
+    engine.refusal = "the prompt needs 9 pages; the pool has 8"
+    for route, body, param in ((CHAT, {"messages": HELLO}, "messages"), (COMPLETIONS, {"prompt": "hi"}, "prompt"),
+                               (GENERATE, {"text": "hi"}, "text")):
+        for stream in (False, True):
+            error = await assert_error(await client.post(route, json={**body, "stream": stream}), 400, param,
+                                       "context_length_exceeded")
+            assert "9 pages" in error["message"]
+    await assert_alive(client)
+
+
+async def test_unknown_route_and_wrong_method_are_json(client):
+    await assert_error(await client.get("/v1/nothing"), 404, None, "not_found")
+    response = await client.get(CHAT)
+    await assert_error(response, 405, None, "method_not_allowed")
+    assert "POST" in response.headers["Allow"]
+    await assert_error(await client.post("/health"), 405, None, "method_not_allowed")
+
+
+async def test_unexpected_exception_is_500_with_request_id(client, engine):
+    def broken():
+        raise RuntimeError("secret internals")
+
+    engine.debug_requests = broken
+    response = await client.get("/debug/requests")
+    assert response.status == 500
+    error = (await response.json())["error"]
+    assert error["type"] == "server_error"
+    assert "secret internals" not in error["message"] and "Traceback" not in error["message"]
+    assert response.headers["X-Request-Id"] in error["message"]
+    await assert_alive(client)
+
+
+async def test_good_requests_still_work_after_bad_ones(client):
+    for route, body, *_ in BAD_BODIES[:5]:
+        await client.post(route, json=body)
+    response = await client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 5})
+    assert response.status == 200
+    assert (await response.json())["choices"][0]["text"] == "Hello"

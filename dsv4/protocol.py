@@ -20,6 +20,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Generated ids whose text is not output, though they count as tokens: the chat layer hides the
+    # think markers that cannot legitimately appear where they were generated (stray markers).
+    hidden_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:

@@ -10,14 +10,17 @@ class TextStream:
     prefix of a stop string. So each push searches the undelivered tail alone.
     """
 
-    def __init__(self, detokenizer, stop: tuple[str, ...]):
+    def __init__(self, detokenizer, stop: tuple[str, ...], hidden_token_ids: tuple[int, ...] = ()):
         self._detokenizer = detokenizer
         self._stop = stop
+        self._hidden = frozenset(hidden_token_ids)
         self._text = ""
         self._sent = 0  # characters of _text already delivered
         self.stopped = False  # a stop string appeared; the text ends before it
 
     def push(self, token_id: int) -> str:
+        if token_id in self._hidden:
+            return ""
         self._text += self._detokenizer.push(token_id)
         hits = [i for i in (self._text.find(s, self._sent) for s in self._stop) if i >= 0]
         if hits:

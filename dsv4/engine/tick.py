@@ -87,7 +87,7 @@ class _Decoding:
 
     def __init__(self, req: Request, detokenizer) -> None:
         self.generator = make_generator(req.sampling)
-        self.text = TextStream(detokenizer, req.sampling.stop)
+        self.text = TextStream(detokenizer, req.sampling.stop, req.sampling.hidden_token_ids)
 
 
 class Ticker:

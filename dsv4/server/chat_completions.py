@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 from aiohttp import web
 
 from dsv4 import chat
@@ -45,6 +46,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         top_k=body.top_k, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos, vocab_size=engine.model_config.vocab_size,
     )
+    sampling = msgspec.structs.replace(sampling, hidden_token_ids=stray_think_markers(engine.tokenizer, prompt.thinking))
     v.check_fits(len(input_ids), max_tokens, engine.max_context, "messages", tokens_param)
     reply = _ChatReply(f"chatcmpl-{request[REQUEST_ID]}", engine.model_name, prompt, len(input_ids))
     async with engine_call(request, input_ids, sampling, "messages") as call:
@@ -53,6 +55,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             return await stream(request, call, _ChatStream(reply, include_usage))
         _, text, final = await collect(call)
         return json_response(reply.whole(text, final.finish_reason, call.completion_tokens))
+
+
+def stray_think_markers(tokenizer, thinking: bool) -> tuple[int, ...]:
+    """Think markers the model may emit but the reply must not carry: the prompt already opened
+    the reasoning (thinking) or closed it (chat), so `<think>` is always stray, and so is `</think>`
+    in chat mode. They are recognised by id and dropped from the text, never parsed as content."""
+    stray = [tokenizer.think_start_id] + ([] if thinking else [tokenizer.think_end_id])
+    return tuple(i for i in stray if i is not None)
 
 
 class _ChatReply:

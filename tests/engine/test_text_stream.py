@@ -38,3 +38,8 @@ def test_text_that_may_start_a_stop_string_is_held_back_then_released():
 
 def test_no_stop_strings_passes_everything_through():
     assert run("plain text", ()) == ("plain text", False)
+
+
+def test_hidden_token_ids_add_no_text():
+    stream = TextStream(CharDetokenizer(), (), hidden_token_ids=(ord("#"),))
+    assert "".join(stream.push(ord(ch)) for ch in "a#b##c") + stream.finish() == "abc"

@@ -19,6 +19,8 @@ VOCAB_SIZE = 0x110000
 
 
 class CharTokenizer:
+    think_start_id = think_end_id = None  # no special tokens: every id is one character
+
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
 

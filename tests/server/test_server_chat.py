@@ -178,3 +178,13 @@ async def test_tool_schema_key_order_is_kept(client, engine):
     reordered = {"type": "function", "function": {"parameters": {"b": 1, "a": 2}, "name": "f", "description": "d"}}
     await client.post("/v1/chat/completions", json={"messages": USER, "tools": [reordered]})
     assert '{"parameters": {"b": 1, "a": 2}, "name": "f", "description": "d"}' in prompt_of(engine)
+
+
+def test_stray_think_markers_are_hidden_by_id():
+    from dsv4.server.chat_completions import stray_think_markers
+
+    class Ids:
+        think_start_id, think_end_id = 4, 5
+
+    assert stray_think_markers(Ids, thinking=True) == (4,)
+    assert stray_think_markers(Ids, thinking=False) == (4, 5)

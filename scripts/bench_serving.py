@@ -8,8 +8,9 @@ Modes:
                          concurrency 1, 8 and 32, run the HF baseline on the same prompts in the
                          same run, print the ratio, then run the kernel benchmark on CPU.
   --baseline hf          also time HF `DeepseekV4ForCausalLM.generate` on the same checkpoint and
-                         prompts (greedy, one prompt at a time: HF's V4 cache has no batched
-                         prefill over padded prompts) and print dsv4/HF ratios.
+                         the first level's prompts (greedy, one prompt at a time: HF's V4 cache
+                         has no batched prefill over padded prompts) and print dsv4/HF ratios
+                         for every level.
 
 Per concurrency level it reports TTFT, TPOT and ITL (mean/p50/p99), output tok/s and failures.
 Every request and the whole run are bounded by timeouts; a server it starts is always stopped.
@@ -104,15 +105,15 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
                 if "error" in event:
                     result.error = str(event["error"])[:200]
                     return result
-                count = len(event.get("output_ids", []))
-                if count > seen:
+                new = len(event.get("output_ids", []))  # each event carries only its new ids
+                if new:
                     now = time.perf_counter()
                     if seen == 0:
                         result.ttft = now - start
                     else:
                         # Tokens that arrive together share the gap since the last event.
-                        result.itls.extend([(now - last) / (count - seen)] * (count - seen))
-                    last, seen = now, count
+                        result.itls.extend([(now - last) / new] * new)
+                    last, seen = now, seen + new
             result.output_tokens = seen
             result.e2e = time.perf_counter() - start
             result.ok = seen > 0
@@ -233,7 +234,7 @@ def main() -> int:
     target.add_argument("--model", type=Path, help="start a server on this checkpoint")
     target.add_argument("--suite", action="store_true", help="the `make bench` suite on the small checkpoint")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
-    parser.add_argument("--prompts-per-level", type=int, default=0, help="default: 2x concurrency, at least 4")
+    parser.add_argument("--prompts-per-level", type=int, default=0, help="default: the concurrency, at least 4")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--baseline", choices=["none", "hf"], default="none")
@@ -249,7 +250,7 @@ def main() -> int:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"] if model_dir else 256
     # Skip the special tokens at the bottom of the vocabulary so prompts are plain text bytes.
     prompt_sets = {
-        c: make_prompts(args.prompts_per_level or max(4, 2 * c), args.input_len, 64, min(vocab, 300), args.seed + c)
+        c: make_prompts(args.prompts_per_level or max(4, c), args.input_len, 64, min(vocab, 300), args.seed + c)
         for c in levels
     }
 
@@ -272,11 +273,15 @@ def main() -> int:
     if args.baseline == "hf":
         if model_dir is None:
             parser.error("--baseline hf needs --model or --suite")
-        print("\nHF transformers baseline (same checkpoint, same prompts, fp32, one prompt at a time)")
+        # HF generate serves one request at a time, so its throughput is the same at every level:
+        # measure it once, on the first level's prompts, and compare every level against it.
+        hf_prompts = prompt_sets[levels[0]]
+        hf_tok_s, hf_ttft = hf_baseline(model_dir, hf_prompts, args.output_len)
+        print(f"\nHF transformers baseline: same checkpoint, fp32, {len(hf_prompts)} of the same prompts one at a "
+              f"time: {hf_tok_s:.1f} output tok/s, TTFT {hf_ttft * 1000:.1f} ms")
         print(f"{'conc':>4} {'dsv4 tok/s':>11} {'HF tok/s':>9} {'ratio':>7} | "
               f"{'dsv4 TTFT ms':>12} {'HF TTFT ms':>11} {'ratio':>7}")
         for level in results:
-            hf_tok_s, hf_ttft = hf_baseline(model_dir, prompt_sets[level.concurrency], args.output_len)
             ttft = statistics.fmean([r.ttft for r in level.good]) if level.good else float("nan")
             print(f"{level.concurrency:>4} {level.output_tok_s:>11.1f} {hf_tok_s:>9.1f} "
                   f"{level.output_tok_s / hf_tok_s:>6.2f}x | {ttft * 1000:>12.1f} {hf_ttft * 1000:>11.1f} "

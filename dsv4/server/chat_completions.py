@@ -20,8 +20,9 @@ from dsv4.server import validation as v
 from dsv4.server.chat_prompt import ChatPrompt, build_chat_prompt
 from dsv4.server.completions import usage
 from dsv4.server.errors import bad_request, server_error
+from dsv4.server.http_metrics import HttpMetrics
 from dsv4.server.ops import json_response
-from dsv4.server.state import ARGS, ENGINE, REQUEST_ID
+from dsv4.server.state import ARGS, ENGINE, HTTP_METRICS, REQUEST_ID
 from dsv4.server.streaming import collect, engine_call, stream
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     )
     sampling = msgspec.structs.replace(sampling, hidden_token_ids=stray_think_markers(engine.tokenizer, prompt.thinking))
     v.check_fits(len(input_ids), max_tokens, engine.max_context, "messages", tokens_param)
-    reply = _ChatReply(f"chatcmpl-{request[REQUEST_ID]}", engine.model_name, prompt, len(input_ids))
+    reply = _ChatReply(
+        f"chatcmpl-{request[REQUEST_ID]}", engine.model_name, prompt, len(input_ids), request.app[HTTP_METRICS]
+    )
     async with engine_call(request, input_ids, sampling, "messages") as call:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -68,8 +71,9 @@ def stray_think_markers(tokenizer, thinking: bool) -> tuple[int, ...]:
 class _ChatReply:
     """Builds the response objects of one request around its parser."""
 
-    def __init__(self, completion_id: str, model: str, prompt: ChatPrompt, prompt_tokens: int):
+    def __init__(self, completion_id: str, model: str, prompt: ChatPrompt, prompt_tokens: int, metrics: HttpMetrics):
         self.id = completion_id
+        self.metrics = metrics
         self.model = model
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
@@ -80,6 +84,7 @@ class _ChatReply:
     def finish(self, engine_finish_reason: str | None) -> tuple[list[dict], dict]:
         deltas, info = self.parser.finish(engine_finish_reason)
         if info["parse_error"]:
+            self.metrics.chat_parse_errors.inc()
             log.warning("%s: model output rejected by the chat parser: %s", self.id, info["error"])
         return deltas, info
 

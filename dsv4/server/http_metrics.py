@@ -23,6 +23,11 @@ class HttpMetrics:
             registry=self.registry,
         )
 
+        self.chat_parse_errors = Counter(
+            "dsv4_chat_parse_errors", "Chat replies whose model output the DSML/reasoning parser rejected",
+            registry=self.registry,
+        )
+
     def observe(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route, method, str(status)).inc()
         self.duration.labels(route).observe(seconds)

@@ -133,6 +133,8 @@ async def test_rejected_model_output_is_an_error_not_content(client, engine, rep
     response = await client.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER]})
     assert response.status == 500
     assert (await response.json())["error"]["code"] == "invalid_model_output"
+    metrics = await (await client.get("/metrics")).text()
+    assert "dsv4_chat_parse_errors_total 2.0" in metrics  # the streamed reply and the whole one
 
 
 async def test_tool_choice_none_hides_tools_and_rejects_calls(client, engine):

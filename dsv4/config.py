@@ -406,6 +406,8 @@ DTYPES = ("bfloat16", "float32", "float64")  # float64 exists for oracle tests
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 INDEX_KEY_DTYPES = ("fp8", "bf16", "fp32")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DEVICES = ("cpu", "cuda")
+VERIFY_INDEXER_MODES = ("off", "count", "fail")
 
 
 # -- disaggregation: modes and transfer faults (owner: dsv4/disagg) -------------------------------
@@ -529,6 +531,10 @@ class ServerArgs:
     max_queue_wait: float = 60.0  # not ready when the oldest waiting request is older than this
     log_level: str = "info"
     fault_inject: str | None = None
+    # -- device and live cross-checks (owner: dsv4/model, dsv4/kernels) --
+    device: str | None = None  # where pools and weights live; None: cuda when available, else cpu
+    verify_indexer: str = "off"  # count: count and log indexer disagreements; fail: also fail the request
+    verify_indexer_every: int = 1  # verify the indexer's selections every N ticks
     # -- disaggregation (owner: dsv4/disagg; checked in _check_disaggregation) --
     disaggregation_mode: str = "null"  # null: colocated; prefill or decode: one side of a PD pair
     disaggregation_bootstrap_port: int = 8998  # prefill: the UCX port decode instances connect to
@@ -565,7 +571,16 @@ class ServerArgs:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         FaultInjection.parse(self.fault_inject)
+        self._check_verification()
         self._check_disaggregation()
+
+    def _check_verification(self) -> None:
+        if self.device is not None and self.device not in DEVICES:
+            raise ConfigError(f"--device {self.device!r}: expected one of {DEVICES}")
+        if self.verify_indexer not in VERIFY_INDEXER_MODES:
+            raise ConfigError(f"--verify-indexer {self.verify_indexer!r}: expected one of {VERIFY_INDEXER_MODES}")
+        if self.verify_indexer_every <= 0:
+            raise ConfigError(f"--verify-indexer-every {self.verify_indexer_every} must be positive")
 
     def _check_disaggregation(self) -> None:
         object.__setattr__(self, "prefill_addr", tuple(self.prefill_addr or ()))
@@ -614,6 +629,15 @@ class ServerArgs:
             help="not ready when the oldest waiting request is older than this, seconds")
         add("--log-level", choices=LOG_LEVELS, default=d.log_level)
         add("--fault-inject", default=d.fault_inject, help=argparse.SUPPRESS)  # test-only: out of --help
+        # -- device and live cross-checks --
+        add("--device", choices=DEVICES, default=d.device,
+            help="where the model's weights and state live (default: cuda when available, else cpu)")
+        add("--verify-indexer", nargs="?", const="count", choices=VERIFY_INDEXER_MODES, default=d.verify_indexer,
+            help="re-run the reference indexer on the cached state and compare its top-k with the fast path's; "
+                 "count (the default when given without a value): count and log disagreements; fail: also fail "
+                 "the affected request")
+        add("--verify-indexer-every", type=int, default=d.verify_indexer_every, metavar="N",
+            help="with --verify-indexer: verify every N ticks")
         # -- disaggregation --
         add("--disaggregation-mode", choices=DISAGGREGATION_MODES, default=d.disaggregation_mode,
             help="null: serve alone; prefill: compute prompts for decode instances; decode: serve users, "

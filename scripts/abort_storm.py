@@ -115,7 +115,8 @@ async def run(args) -> dict:
     async with aiohttp.ClientSession() as session:
         probe = make_prompts(rng, args.throughput_requests, args.max_prompt_len, args.vocab)
         await throughput(session, args.decode_url, probe, args.max_new_tokens, args.request_timeout)  # warm-up
-        before = await throughput(session, args.decode_url, probe, args.max_new_tokens, args.request_timeout)
+        before = [await throughput(session, args.decode_url, probe, args.max_new_tokens, args.request_timeout)
+                  for _ in range(args.throughput_samples)]
         rounds = []
         for _ in range(args.rounds):
             started = time.monotonic()
@@ -127,7 +128,8 @@ async def run(args) -> dict:
         ready = {url: (await get_json(session, f"{url}/health/ready"))[0] == 200 for url in urls}
         after_prompts = make_prompts(rng, args.check_requests, args.max_prompt_len, args.vocab)
         correct, problems = await correct_outputs(session, args, after_prompts)
-        after = await throughput(session, args.decode_url, probe, args.max_new_tokens, args.request_timeout)
+        after = [await throughput(session, args.decode_url, probe, args.max_new_tokens, args.request_timeout)
+                 for _ in range(args.throughput_samples)]
     hung = sum(r["hung"] for r in rounds)
     leaked = {url: h for url, h in held.items() if any(h.values())}
     return {
@@ -138,8 +140,10 @@ async def run(args) -> dict:
         "correct_after": correct,
         "checked_after": len(after_prompts),
         "problems": problems[:5],
-        "throughput_before": round(before, 2),
-        "throughput_after": round(after, 2),
+        # Best of the samples on each side: on a shared machine the best is the least disturbed.
+        "throughput_before": round(max(before), 2),
+        "throughput_after": round(max(after), 2),
+        "throughput_samples": {"before": [round(x, 2) for x in before], "after": [round(x, 2) for x in after]},
         "passed": hung == 0 and not leaked and all(ready.values()) and correct == len(after_prompts),
     }
 
@@ -152,7 +156,8 @@ def print_table(summary: dict) -> None:
     print(f"leaked (after settling):  {summary['leaked'] or 'none'}")
     print(f"ready:                    {summary['ready']}")
     print(f"correct after the storm:  {summary['correct_after']}/{summary['checked_after']}")
-    print(f"throughput before/after:  {summary['throughput_before']} / {summary['throughput_after']} tokens/s")
+    print(f"throughput before/after:  {summary['throughput_before']} / {summary['throughput_after']} tokens/s "
+          f"(best of {summary['throughput_samples']})")
     for problem in summary["problems"]:
         print(f"  {problem}")
     print("PASSED" if summary["passed"] else "FAILED")
@@ -174,6 +179,7 @@ def main(argv=None) -> int:
     p.add_argument("--settle-timeout", type=float, default=30.0)
     p.add_argument("--check-requests", type=int, default=64)
     p.add_argument("--throughput-requests", type=int, default=16)
+    p.add_argument("--throughput-samples", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

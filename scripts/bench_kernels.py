@@ -2,7 +2,9 @@
 
 --device cpu   the indexer's CPU fast path (the vectorised torch path the dispatcher picks on CPU)
                against the paged reference indexer, at 4K, 16K and 64K tokens of context, timed
-               in the same run and reported as a speedup (what `make bench` reads).
+               in the same run and reported as a speedup (what `make bench` reads). One torch
+               thread by default: on a shared machine, a stolen core stalls a multi-threaded op
+               several-fold and the ratio would measure the neighbours.
 --device cuda  achieved memory bandwidth of the Triton kernels: indexer top-k at 8K, 64K and 1M
                tokens of context, and CSA decode attention (128 window + 512 selected rows) at
                batch 1, 32 and 128; GB/s and % of the device's peak (table below, or --peak-gbps).
@@ -131,7 +133,8 @@ def peak_gbps(override: float | None) -> tuple[str, float | None]:
 
 def cpu_suite(contexts, batch: int, repeats: int) -> None:
     print(f"indexer, CPU: vectorised torch path vs paged reference; {batch} decode tokens, "
-          f"{INDEX_HEADS} heads x {INDEX_DIM} dims, fp8 keys, top-{INDEX_TOPK}; best of {repeats}")
+          f"{INDEX_HEADS} heads x {INDEX_DIM} dims, fp8 keys, top-{INDEX_TOPK}; best of {repeats}, "
+          f"{torch.get_num_threads()} torch thread(s)")
     print(f"{'context':>9} {'rows':>7} {'fast ms':>9} {'reference ms':>13} {'speedup':>8}")
     gen = torch.Generator().manual_seed(0)
     for context in contexts:
@@ -166,10 +169,12 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), required=True)
     parser.add_argument("--peak-gbps", type=float, help="the device's peak memory bandwidth (overrides the table)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per CPU case (best one reported)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for the CPU suite")
     parser.add_argument("--smoke", action="store_true", help="each case once, tiny, on CPU (checks the harness)")
     args = parser.parse_args(argv)
 
     if args.device == "cpu":
+        torch.set_num_threads(args.threads)
         if args.smoke:
             cpu_suite(SMOKE_CONTEXTS[:1], 1, repeats=1)
         else:

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Kernel checks for a session that holds the GPU machine (an H200): the kernel tests compiled for
-# real on CUDA (tests/kernels/conftest.py enables Triton's interpreter only without a GPU), then
-# the bandwidth benchmarks. Installs nothing; every step is bounded by `timeout`.
+# real on CUDA (tests/kernels/conftest.py enables Triton's interpreter only without a GPU), the
+# model's kernel path on CUDA against the reference (the runner's --device defaults to cuda when
+# there is one, so these tests run there) with --verify-indexer checking every selection, then the
+# bandwidth benchmarks. Installs nothing; every step is bounded by `timeout`.
 #
 #   scripts/device_check.sh [--dry-run] [bench_kernels.py arguments, e.g. --peak-gbps 4800]
 #
 # --dry-run checks every step on a machine without a GPU (this script's syntax, the test
 # collection, the bench's argument parsing and a tiny CPU run of each benchmark case), exits 0.
+
+# The model and engine on CUDA: paged model and kernel path against the reference, and
+# --verify-indexer under load (zero mismatches; flipped index-key bytes caught).
+ENGINE_TESTS=(tests/model tests/engine/test_verify_indexer.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +32,9 @@ if [ "$dry_run" = 1 ]; then
   bash -n "$0" && echo ok
   step "kernel test collection"
   timeout 120 "$PY" -m pytest --collect-only -q -p no:cacheprovider tests/kernels 2>/dev/null \
+    | awk -F': ' 'NF == 2 { print; total += $2 } END { print total " tests collected"; exit total == 0 }'
+  step "model and engine test collection"
+  timeout 120 "$PY" -m pytest --collect-only -q -p no:cacheprovider "${ENGINE_TESTS[@]}" 2>/dev/null \
     | awk -F': ' 'NF == 2 { print; total += $2 } END { print total " tests collected"; exit total == 0 }'
   step "bench arguments"
   timeout 60 "$PY" scripts/bench_kernels.py --help >/dev/null
@@ -47,6 +56,9 @@ timeout 60 "$PY" -c 'import torch, triton; assert torch.cuda.is_available(), "to
 
 step "kernel tests, compiled for CUDA"
 timeout 420 "$PY" -m pytest -q -p no:cacheprovider tests/kernels
+
+step "model and engine on CUDA against the reference, with --verify-indexer"
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider "${ENGINE_TESTS[@]}"
 
 step "bandwidth"
 timeout 240 "$PY" scripts/bench_kernels.py --device cuda "${bench_args[@]}"

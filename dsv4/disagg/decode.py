@@ -60,6 +60,9 @@ class DecodeState(enum.Enum):
     FAILED = "failed"
 
 
+MAX_DISCARDING = 64
+
+
 class TransferFailed(Exception):
     pass
 
@@ -136,6 +139,7 @@ class RemotePrefill:
         self._peer_ready = asyncio.Event()
         self._max_queue_wait = max_queue_wait
         self._allocation_queue: deque[DecodeTransfer] = deque()  # FCFS: only the head allocates
+        self._discarding = 0  # receives posted for payloads of unknown rooms
 
     async def start(self) -> None:
         for peer in self.peers:
@@ -479,8 +483,32 @@ class RemotePrefill:
         t = self._by_room.get(frame.room)
         if t is None or t.link is not link:
             self.metrics.dropped_frames.labels("unknown_room").inc()
+            if isinstance(frame, PayloadHeader):
+                self._discard_payload(link, frame)
             return
         t.inbox.put_nowait(frame)
+
+    def _discard_payload(self, link: Link, h: PayloadHeader) -> None:
+        """Matches the body of a payload no transfer expects, so its sender's send completes instead of
+        stalling its room; the body lands in a throwaway buffer. A body that never comes keeps its
+        receive posted until the link closes, so at most MAX_DISCARDING are allowed at once."""
+        caps = self.target.capabilities
+        if h.nbytes not in (caps.page_bytes, caps.slot_bytes):
+            return  # not a body a peer could have sent us
+        if self._discarding >= MAX_DISCARDING:
+            link.fence(f"more than {MAX_DISCARDING} payloads for unknown rooms in flight")
+            return
+        self._discarding += 1
+
+        async def discard() -> None:
+            try:
+                await link.recv_payload(h.room, h.seq, np.empty(h.nbytes, dtype=np.uint8))
+            except UCXError:
+                pass  # the link closed: the receive was cancelled
+            finally:
+                self._discarding -= 1
+
+        self.supervisor.spawn(f"discard-{h.room}-{h.seq}", discard(), critical=False)
 
     def _peer_lost(self, peer: PrefillPeer, link: Link) -> None:
         # The endpoint is closed, so UCX has cancelled every receive posted on it: nothing can land.

@@ -64,7 +64,7 @@ class PrefillPeer:
     def close(self, reason: str) -> None:
         self._closing = True
         if self.link is not None:
-            self.link.fence(reason)
+            self.link.close(reason)
 
     async def _maintain(self) -> None:
         while not self._closing:

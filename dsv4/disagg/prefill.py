@@ -110,7 +110,7 @@ class PrefillServer:
         if self._listener is not None:
             self._listener.close()
         for peer in list(self._peers.values()):
-            peer.link.fence("prefill instance stopping")
+            peer.link.close("prefill instance stopping")
         await self.supervisor.stop()
 
     # -- connections ------------------------------------------------------------------------------

@@ -217,6 +217,10 @@ class Link:
         if not self._ep.closed:
             self._ep.abort()
 
+    def close(self, reason: str) -> None:
+        """Closes the link on purpose (shutdown): not a fence, nothing is owed."""
+        self._closed_by(reason)
+
     def fence(self, reason: str) -> None:
         """Aborts the endpoint: every receive still posted on it is cancelled, nothing lands later."""
         if self.close_reason is None:

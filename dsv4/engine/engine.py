@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-from dsv4.config import ModelConfig, ServerArgs
+from dsv4.config import CSA, ModelConfig, ServerArgs
 from dsv4.engine.metrics import EngineMetrics
 from dsv4.engine.request import AdmissionError, Request
 from dsv4.engine.scheduler import Scheduler
@@ -71,7 +71,11 @@ class Engine:
             forward_deadline=self._forward_deadline,
             faults=args.faults,
             clock=clock,
+            verify_indexer=args.verify_indexer,
         )
+        if args.verify_indexer != "off":
+            self.metrics.track_indexer_layers(i for i in range(model_config.num_layers)
+                                              if model_config.layer_kind(i) == CSA)
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}  # live requests, until their last output
         self._task: asyncio.Task | None = None
         self._dead: str | None = None

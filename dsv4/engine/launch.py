@@ -35,8 +35,8 @@ def load_model(args: ServerArgs) -> LoadedModel:
     tokenizer = Tokenizer.from_dir(path)
     runner = ModelRunner(config, weights, args)
     name = BUILTIN_MODEL_NAME if args.model is None else path.name
-    log.info("loaded %s from %s (%s, %d pages of %d tokens, %d slots)",
-             name, path, args.dtype, runner.num_pages, args.page_size, runner.num_slots)
+    log.info("loaded %s from %s (%s on %s, %d pages of %d tokens, %d slots)",
+             name, path, args.dtype, runner.device, runner.num_pages, args.page_size, runner.num_slots)
     return LoadedModel(name, config, tokenizer, runner)
 
 

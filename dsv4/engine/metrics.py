@@ -41,6 +41,20 @@ class EngineMetrics:
         )
         for reason in FINISH_REASONS:
             self.finished_requests.labels(reason=reason)  # export zeros so rates exist from the start
+        # --verify-indexer
+        self.indexer_verified = Counter(
+            "dsv4_indexer_verified", "Indexer selections (token x CSA layer) checked against the reference",
+            registry=r,
+        )
+        self.indexer_mismatches = Counter(
+            "dsv4_indexer_mismatch", "Indexer selections that failed the reference check, by layer", ["layer"],
+            registry=r,
+        )
+
+    def track_indexer_layers(self, layers) -> None:
+        """Exports a zero mismatch count for each verified layer, so a clean run says so."""
+        for layer in layers:
+            self.indexer_mismatches.labels(layer=str(layer))
 
     def observe_capacity(self, snapshot: dict, running: int, waiting: int) -> None:
         self.free_pages.set(snapshot["free_pages"])

@@ -65,8 +65,8 @@ class EnginePrefillSource:
         exported: asyncio.Future[ExportedState] = asyncio.get_running_loop().create_future()
 
         def export(req: Request) -> None:  # at the tick boundary, before the pages are released
-            pages = [pools.page_view(h.id, h.generation).numpy().copy() for h in req.pages]
-            slot = pools.slot_view(req.slot.id, req.slot.generation).numpy().copy()
+            pages = [pools.page_view(h.id, h.generation).cpu().numpy().copy() for h in req.pages]
+            slot = pools.slot_view(req.slot.id, req.slot.generation).cpu().numpy().copy()
             exported.set_result(ExportedState(req.output_ids[0], pages, slot, [zlib.crc32(p) for p in pages],
                                               zlib.crc32(slot)))
 

@@ -40,6 +40,9 @@ class Request:
     # PD prefill (dsv4/engine/pd.py): called at the tick boundary right after the first token was
     # sampled, before the request's pages and slot are released, to copy its state out.
     export_state: Callable[[Request], None] | None = None
+    # --verify-indexer: this request's failed indexer selections, and where the last one was.
+    indexer_mismatches: int = 0
+    last_indexer_mismatch: str | None = None  # "layer L position P"
 
     @property
     def num_tokens(self) -> int:
@@ -63,4 +66,6 @@ class Request:
             "age_s": round(now - self.arrival, 3),
             "deadline_in_s": round(self.deadline - now, 3),
             "last_event": self.last_event,
+            "indexer_mismatches": self.indexer_mismatches,
+            "last_indexer_mismatch": self.last_indexer_mismatch,
         }

@@ -4,6 +4,10 @@ Before anything is written, a batch is checked whole: well-formed chunks, distin
 tables that cover the chunk, and every page and slot generation bound through the pools (a stale
 one raises `StaleReference`). A chunk with start_pos == 0 starts its slot empty; nothing else
 resets a slot, so a slot needs no release.
+
+Pools and weights live on `--device`; logits come back on the CPU. With `--verify-indexer`, every
+`--verify-indexer-every` ticks the forward's indexer selections are checked against the reference
+(`dsv4.model.indexer_check`); the result is `indexer_check`, beside the logits.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.memory.pools import StatePools
+from dsv4.model.indexer_check import IndexerVerifier
 from dsv4.model.model import PagedModel
 from dsv4.model.plan import build_plan
 from dsv4.protocol import ForwardBatch
@@ -19,27 +24,51 @@ from dsv4.protocol import ForwardBatch
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
+def resolve_device(device: str | None) -> torch.device:
+    """`--device`, where None means cuda when torch sees a GPU, else cpu."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: torch sees no CUDA device")
+    return torch.device(device)
+
+
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], args):
-        """`args`: a ServerArgs (dtype, page_size, max_running_requests, max_total_tokens,
-        kv_cache_dtype, index_key_dtype are read)."""
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], args, *, kernels: bool | None = None):
+        """`args`: a ServerArgs (dtype, page_size, max_running_requests, max_total_tokens, kv_cache_dtype,
+        index_key_dtype, device, verify_indexer, verify_indexer_every are read). `kernels`: run the
+        model through `dsv4.kernels.dispatch` (default: on CUDA; see PagedModel)."""
         self.cfg = cfg
         self.dtype = TORCH_DTYPES[args.dtype]
+        self.device = resolve_device(args.device)
         self.page_size = args.page_size
         self.num_pages = args.max_total_tokens // args.page_size
         self.num_slots = args.max_running_requests
+        self.verify_indexer = args.verify_indexer != "off"
+        self.verify_indexer_every = args.verify_indexer_every
         self.pools = StatePools(cfg, num_pages=self.num_pages, num_slots=self.num_slots, page_size=self.page_size,
                                 dtype=self.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                                index_key_dtype=args.index_key_dtype)
-        self.model = PagedModel(cfg, weights, self.dtype, self.pools)
+                                index_key_dtype=args.index_key_dtype, device=self.device,
+                                fingerprint_index_keys=self.verify_indexer)
+        self.model = PagedModel(cfg, weights, self.dtype, self.pools, kernels=kernels)
+        self.indexer_check: IndexerVerifier | None = None  # of the last forward, when it was verified
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs every chunk (prefill chunks and decode tokens mixed), writes their rows into the
         pools, returns float32 logits [number of chunks with sample=True, vocab] in chunk order."""
         self._check(batch)
+        self.indexer_check = None
         if not batch.chunks:
             return torch.zeros((0, self.cfg.vocab_size), dtype=torch.float32)
-        return self.model.forward(build_plan(self.cfg, batch, self.page_size))
+        plan = build_plan(self.cfg, batch, self.page_size)
+        if self.device.type != "cpu":
+            plan = plan.to(self.device)
+        if not (self.verify_indexer and batch.tick % self.verify_indexer_every == 0):
+            return self.model.forward(plan).cpu()
+        verifier = IndexerVerifier(plan, self.pools, self.cfg.index_topk)
+        logits = self.model.forward(plan, verifier).cpu()
+        self.indexer_check = verifier
+        return logits
 
     def verify_page_generations(self, page_ids, generations) -> None:
         """Raises StaleReference if any (page, generation) names a page's earlier tenancy."""

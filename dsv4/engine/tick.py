@@ -8,11 +8,16 @@
 Everything but the forward and sampling runs on the event loop thread, which is the only one that
 touches scheduler state; so aborts and deadlines take effect at tick boundaries by construction,
 and the loop stays free to answer /health while a forward runs.
+
+With --verify-indexer, the runner's check of the forward's indexer selections comes back with the
+sampled tokens; disagreements are counted, logged and shown per request, and with `fail` a request
+whose selection failed gets an error instead of the token sampled from it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,9 +31,12 @@ from dsv4.engine.output import TextStream
 from dsv4.engine.request import Request
 from dsv4.engine.sampling import make_generator, sample, stop_reason
 from dsv4.engine.scheduler import Scheduler
+from dsv4.model.indexer_check import IndexerVerifier
 from dsv4.protocol import RequestOutput, SamplingParams, TickPlan
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class TickFailed(RuntimeError):
@@ -103,6 +111,7 @@ class Ticker:
         forward_deadline: float,
         faults: FaultInjection | None = None,
         clock: Callable[[], float] = time.monotonic,
+        verify_indexer: str = "off",
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -114,6 +123,7 @@ class Ticker:
         self._forward_deadline = forward_deadline
         self._faults = faults or FaultInjection()
         self._clock = clock
+        self._verify_indexer = verify_indexer  # off | count | fail (ServerArgs.verify_indexer)
         self._decoding: dict[str, _Decoding] = {}
         # One thread: forwards run strictly in plan order, as every rank must apply them.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-forward")
@@ -140,8 +150,8 @@ class Ticker:
         for req in victims:
             self._end(req, started)
         if plan.batch.chunks:
-            tokens = await self._forward_and_sample(plan)
-            self._postprocess(plan, tokens, self._clock())
+            tokens, indexer_check = await self._forward_and_sample(plan)
+            self._postprocess(plan, tokens, indexer_check, self._clock())
         self._metrics.ticks.inc()
         self._metrics.tick_duration.observe(self._clock() - started)
         self._metrics.observe_capacity(
@@ -177,7 +187,7 @@ class Ticker:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- forward and sample (worker thread) --------------------------------------------------------
-    async def _forward_and_sample(self, plan: TickPlan) -> list[int]:
+    async def _forward_and_sample(self, plan: TickPlan) -> tuple[list[int], IndexerVerifier | None]:
         sampled = [self.scheduler.get(c.rid) for c in plan.batch.chunks if c.sample]
         params = [r.sampling for r in sampled]
         generators = [self._decoding[r.rid].generator for r in sampled]
@@ -190,7 +200,9 @@ class Ticker:
                 f"forward of tick {plan.seq} did not return within {self._forward_deadline:.0f} s"
             ) from None
 
-    def _run(self, plan: TickPlan, params: list[SamplingParams], generators: list) -> list[int]:
+    def _run(self, plan: TickPlan, params: list[SamplingParams],
+             generators: list) -> tuple[list[int], IndexerVerifier | None]:
+        """The sampled tokens, and the runner's indexer check of this forward (None when not verified)."""
         if plan.seq == self._faults.stall_at_tick:
             time.sleep(self._faults.stall_seconds)
         if plan.seq == self._faults.crash_at_tick:
@@ -199,19 +211,26 @@ class Ticker:
             logits = self.runner.forward(plan.batch)
             if logits.shape[0] != len(params):
                 raise TickFailed(f"runner returned {logits.shape[0]} rows of logits for {len(params)} sampled chunks")
-            return sample(logits, params, generators)
+            indexer_check = self.runner.indexer_check if self._verify_indexer != "off" else None
+            return sample(logits, params, generators), indexer_check
 
     # -- delivery (event loop) --------------------------------------------------------------------------
-    def _postprocess(self, plan: TickPlan, tokens: list[int], now: float) -> None:
+    def _postprocess(self, plan: TickPlan, tokens: list[int], indexer_check: IndexerVerifier | None,
+                     now: float) -> None:
         metrics = self._metrics
+        failed = self._take_indexer_check(indexer_check) if indexer_check is not None else {}
         sampled = iter(tokens)
         for chunk in plan.batch.chunks:
             req = self.scheduler.get(chunk.rid)
             if chunk.start_pos < len(req.prompt_ids):
                 metrics.prompt_tokens.inc(len(chunk.token_ids))
-            if not chunk.sample:
+            token = next(sampled) if chunk.sample else None
+            if chunk.rid in failed:
+                self.scheduler.abort(chunk.rid, failed[chunk.rid], finish_reason="error")
+                self._end(req, now)
                 continue
-            token = next(sampled)
+            if token is None:
+                continue
             req.output_ids.append(token)
             metrics.generation_tokens.inc()
             if req.first_token_at is None:
@@ -221,6 +240,23 @@ class Ticker:
                 metrics.inter_token_latency.observe(now - req.last_token_at)
             req.last_token_at = now
             self._deliver_token(req, token)
+
+    def _take_indexer_check(self, check: IndexerVerifier) -> dict[str, str]:
+        """Counts, logs and records on each request a forward's indexer check; returns the requests
+        to fail (rid -> error)."""
+        self._metrics.indexer_verified.inc(check.verified)
+        failed: dict[str, str] = {}
+        for mismatch in check.mismatches:  # in layer order
+            where = f"layer {mismatch.layer} position {mismatch.position}"
+            self._metrics.indexer_mismatches.labels(layer=str(mismatch.layer)).inc(mismatch.count)
+            log.warning("request %s: indexer cross-check failed at %s (%d selections): %s",
+                        mismatch.rid, where, mismatch.count, mismatch.detail)
+            req = self.scheduler.get(mismatch.rid)
+            req.indexer_mismatches += mismatch.count
+            req.last_indexer_mismatch = where
+            if self._verify_indexer == "fail":
+                failed.setdefault(mismatch.rid, f"indexer cross-check failed at {where}: {mismatch.detail}")
+        return failed
 
     def _deliver_token(self, req: Request, token: int) -> None:
         text_stream = self._decoding[req.rid].text

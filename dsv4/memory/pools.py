@@ -20,6 +20,11 @@ float64 model, whose pooling runs in fp64). HCA keeps the
 `ratio` rows of the current window; CSA keeps `2 * ratio` rows: the previous complete window (whose
 first `dim` channels, the overlap half, feed the next compressed row) then the current window.
 
+Index-key fingerprints (`--verify-indexer`): with `fingerprint_index_keys`, every index-key row
+has an int64 fingerprint of its bytes, recorded when the row is written (by the model, or by
+`write_page`); a verifier recomputes it to catch bytes that changed afterwards, which both the fast
+and the reference indexer would read alike (a late or racing write into the cache).
+
 Generations: the engine's allocator bumps a page's or slot's generation on every allocation; every
 reader or writer names (id, generation) and `bind` rejects one older than the newest seen.
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import torch
@@ -71,6 +77,23 @@ def put_rows(rows: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.
     rows.view(torch.int32)[index] = values.view(torch.int32)
 
 
+def row_fingerprints(rows: torch.Tensor) -> torch.Tensor:
+    """int64 [...] fingerprints of packed rows uint8 [..., row_bytes]: a weighted sum of their bytes.
+
+    The weights are fixed random integers in [1, 2^45), so no sum of up to 2^9 bytes x 255 overflows:
+    changing any one byte always changes the fingerprint, and several changes cancel only by chance.
+    """
+    return (rows.to(torch.int64) * _fingerprint_weights(rows.shape[-1], rows.device)).sum(-1)
+
+
+@cache
+def _fingerprint_weights(row_bytes: int, device: torch.device) -> torch.Tensor:
+    if row_bytes > 512:
+        raise ValueError(f"rows of {row_bytes} bytes are too wide to fingerprint without overflow")
+    weights = torch.randint(1, 1 << 45, (row_bytes,), generator=torch.Generator().manual_seed(0))
+    return weights.to(device)
+
+
 def main_row_format(dtype: torch.dtype, kv_cache_dtype: str) -> str:
     """The `kernels.rows` format of main rows for a model dtype and `--kv-cache-dtype`."""
     if kv_cache_dtype not in _KV_CACHE_DTYPES:
@@ -86,7 +109,7 @@ def compressor_state_rows(kind: str, ratio: int) -> int:
 class _Units:
     """A [count, unit_bytes] byte buffer carved into named regions, each viewable per unit."""
 
-    def __init__(self, count: int, regions: list[tuple[str, int, int]]):
+    def __init__(self, count: int, regions: list[tuple[str, int, int]], device: torch.device):
         self.regions: dict[str, Region] = {}
         offset = 0
         for name, rows, row_bytes in regions:
@@ -94,7 +117,7 @@ class _Units:
             offset += -(-rows * row_bytes // _ALIGN) * _ALIGN
         self.unit_bytes = max(offset, _ALIGN)
         # Zeroed, so never-written bytes are deterministic (checksums, transfers, finite decodes).
-        self.data = torch.zeros((count, self.unit_bytes), dtype=torch.uint8)
+        self.data = torch.zeros((count, self.unit_bytes), dtype=torch.uint8, device=device)
         self.generations = np.full(count, -1, dtype=np.int64)
 
     def view(self, name: str) -> torch.Tensor:
@@ -126,7 +149,7 @@ class _Units:
         np.maximum.at(self.generations, ids, generations)
 
     def checksum(self, unit: int) -> int:
-        return zlib.crc32(self.data[unit].numpy())
+        return zlib.crc32(self.data[unit].cpu().numpy())
 
 
 class StatePools:
@@ -142,6 +165,8 @@ class StatePools:
         dtype: torch.dtype,
         kv_cache_dtype: str = "auto",
         index_key_dtype: str = "fp8",
+        device: str | torch.device = "cpu",
+        fingerprint_index_keys: bool = False,
     ):
         if page_size <= 0 or page_size % max(cfg.compress_ratios + (INDEX_RATIO,)):
             raise ValueError(f"page_size {page_size} must be a positive multiple of every compress ratio")
@@ -173,8 +198,13 @@ class StatePools:
             if kind == CSA:
                 page_regions.append((f"layers.{layer}.index_keys", page_size // INDEX_RATIO, self.index_row_bytes))
                 slot_regions.append((f"layers.{layer}.indexer", state_rows, state_bytes * 2 * 2 * cfg.index_head_dim))
-        self._pages = _Units(num_pages, page_regions)
-        self._slots = _Units(num_slots, slot_regions)
+        self.device = torch.device(device)
+        self._pages = _Units(num_pages, page_regions, self.device)
+        self._slots = _Units(num_slots, slot_regions, self.device)
+        self._index_fingerprints = {
+            layer: torch.zeros((num_pages, page_size // INDEX_RATIO), dtype=torch.int64, device=self.device)
+            for layer in range(cfg.num_layers) if fingerprint_index_keys and cfg.layer_kind(layer) == CSA
+        }  # zeros: the fingerprint of the zeroed rows
 
     # -- typed views of one layer's rows (all aliasing the pools) ---------------------------------
     def compressed_rows(self, layer: int) -> torch.Tensor:
@@ -196,6 +226,26 @@ class StatePools:
     def indexer_state(self, layer: int) -> torch.Tensor:
         """[num_slots, 8, 4 * index_head_dim] in state_dtype: the indexer compressor's kv | score (CSA)."""
         return self._slots.view(f"layers.{layer}.indexer").view(self.state_dtype)
+
+    # -- index-key fingerprints ---------------------------------------------------------------------
+    @property
+    def fingerprints_index_keys(self) -> bool:
+        return bool(self._index_fingerprints)
+
+    def record_index_keys(self, layer: int, pages: torch.Tensor, rows: torch.Tensor) -> None:
+        """Fingerprint index-key rows `index_keys(layer)[pages, rows]` as they now are, right after
+        they were written; nothing when fingerprints are off."""
+        if self._index_fingerprints:
+            written = take_rows(self.index_keys(layer), pages, rows)
+            self._index_fingerprints[layer][pages, rows] = row_fingerprints(written)
+
+    def changed_index_keys(self, layer: int, pages: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """bool [...]: which of the index-key rows `index_keys(layer)[pages, rows]` no longer hold the
+        bytes they were written with."""
+        if not self._index_fingerprints:
+            raise RuntimeError("index-key fingerprints are off (StatePools(fingerprint_index_keys=True))")
+        now = row_fingerprints(take_rows(self.index_keys(layer), pages, rows))
+        return now != self._index_fingerprints[layer][pages, rows]
 
     # -- generations ------------------------------------------------------------------------------
     def bind(self, page_id: int, generation: int) -> None:
@@ -241,13 +291,15 @@ class StatePools:
         return self._slots.data[slot]
 
     def read_page(self, page_id: int, generation: int) -> bytes:
-        return self.page_view(page_id, generation).numpy().tobytes()
+        return self.page_view(page_id, generation).cpu().numpy().tobytes()
 
     def write_page(self, page_id: int, generation: int, data: bytes | torch.Tensor) -> None:
         _copy_into(self.page_view(page_id, generation), data, f"page {page_id}")
+        for layer, fingerprints in self._index_fingerprints.items():  # rows written here, as by the model
+            fingerprints[page_id] = row_fingerprints(self.index_keys(layer)[page_id])
 
     def read_slot(self, slot: int, generation: int) -> bytes:
-        return self.slot_view(slot, generation).numpy().tobytes()
+        return self.slot_view(slot, generation).cpu().numpy().tobytes()
 
     def write_slot(self, slot: int, generation: int, data: bytes | torch.Tensor) -> None:
         _copy_into(self.slot_view(slot, generation), data, f"slot {slot}")
@@ -264,6 +316,8 @@ class StatePools:
         for units in (self._pages, self._slots):
             units.data.zero_()
             units.generations.fill(-1)
+        for fingerprints in self._index_fingerprints.values():
+            fingerprints.zero_()
 
 
 def _copy_into(dst: torch.Tensor, data: bytes | torch.Tensor, what: str) -> None:

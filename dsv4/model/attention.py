@@ -8,6 +8,10 @@ Projections, RoPE and the compressors run on the flattened batch. Attention itse
                                                         CSA: only the lightning indexer's picks)
 plus the per-head sink. Every cached row is read back through its cache format, the chunk's own
 raw rows and the rows this chunk just compressed included, exactly as the reference rounds them.
+
+With `kernels` (on CUDA), the indexer's selection, the attention and the compressors' inserts run
+as the dispatcher's ops (`dsv4.kernels.dispatch`: Triton on CUDA tensors) over the whole batch,
+reading the pools directly; the torch code above is the CPU path.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.config import CSA, WINDOW, ModelConfig
+from dsv4.kernels import dispatch
 from dsv4.kernels import rows as row_formats
 from dsv4.memory.pools import StatePools, put_rows, take_rows
 from dsv4.reference.attention import picks_mask
@@ -23,15 +28,16 @@ from dsv4.reference.ops import accumulation_dtype, linear, rms_norm
 from dsv4.reference.rope import apply_rope
 
 from .compressor import PagedCompressor
+from .indexer_check import IndexerSelection, SelectionSink
 from .plan import AttentionGroup, BatchPlan
 
 _PLAIN_ROW_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
 class PagedAttention:
-    def __init__(self, cfg: ModelConfig, layer: int, w, inv_freq: torch.Tensor, pools: StatePools):
+    def __init__(self, cfg: ModelConfig, layer: int, w, inv_freq: torch.Tensor, pools: StatePools, *, kernels: bool):
         """`w(name)` fetches this layer's tensor `attn.<name>`, already in the dtype its math runs in."""
-        self.cfg, self.layer, self.inv_freq, self.pools = cfg, layer, inv_freq, pools
+        self.cfg, self.layer, self.inv_freq, self.pools, self.kernels = cfg, layer, inv_freq, pools, kernels
         self.wq_a, self.q_norm, self.wq_b = w("wq_a.weight"), w("q_norm.weight"), w("wq_b.weight")
         self.wkv, self.kv_norm = w("wkv.weight"), w("kv_norm.weight")
         self.wo_a = w("wo_a.weight").unflatten(0, (cfg.o_groups, -1))  # [G, o_lora_rank, heads/G * head_dim]
@@ -46,8 +52,9 @@ class PagedAttention:
             self.index_wq_b = w("indexer.wq_b.weight")
             self.index_weights_proj = w("indexer.weights_proj.weight")
 
-    def __call__(self, x: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
-        """x [T, hidden] (attn_norm'ed) -> [T, hidden]; stores this layer's rows of the batch."""
+    def __call__(self, x: torch.Tensor, plan: BatchPlan, on_selection: SelectionSink | None = None) -> torch.Tensor:
+        """x [T, hidden] (attn_norm'ed) -> [T, hidden]; stores this layer's rows of the batch. A CSA
+        layer hands its indexer's inputs and selection to `on_selection` (--verify-indexer)."""
         cfg, pools, positions = self.cfg, self.pools, plan.positions
         qr = rms_norm(linear(x, self.wq_a), self.q_norm, cfg.rms_norm_eps)
         q = linear(qr, self.wq_b).unflatten(-1, (cfg.num_heads, cfg.head_dim)).transpose(0, 1)
@@ -56,21 +63,29 @@ class PagedAttention:
         kv = rms_norm(linear(x, self.wkv), self.kv_norm, cfg.rms_norm_eps)
         raw_rows = row_formats.pack_main_rows(apply_rope(kv, positions, self.inv_freq), pools.main_format,
                                               cfg.rope_head_dim)
-        raw_keys = self._main_rows(raw_rows)  # [T, D] as the ring will return them
 
         index_queries = None
         if self.compressor is not None:  # rows of windows this batch completes, before any query reads them
             compress = plan.compress[self.ratio]
-            destination = (compress.window_pages, compress.window_page_rows)
-            rows = self.compressor.advance(x, positions, compress, pools.compressor_state(self.layer))
-            put_rows(pools.compressed_rows(self.layer), destination,
-                     row_formats.pack_main_rows(rows, pools.main_format, cfg.rope_head_dim))
+            self.compressor.advance(x, positions, compress, pools.compressor_state(self.layer),
+                                    pools.compressed_rows(self.layer), pools.main_format, kernels=self.kernels)
             if self.index_compressor is not None:
-                keys = self.index_compressor.advance(x, positions, compress, pools.indexer_state(self.layer))
-                put_rows(pools.index_keys(self.layer), destination, row_formats.pack_index_rows(keys, pools.index_format))
+                self.index_compressor.advance(x, positions, compress, pools.indexer_state(self.layer),
+                                              pools.index_keys(self.layer), pools.index_format, kernels=self.kernels)
+                pools.record_index_keys(self.layer, compress.window_pages, compress.window_page_rows)
                 index_queries = self._index_queries(x, qr, positions)
 
-        out = torch.cat([self._attend(group, q, raw_keys, index_queries, positions) for group in plan.groups], dim=1)
+        if self.kernels:
+            out = self._attend_with_kernels(q, raw_rows, index_queries, plan, on_selection)
+        else:
+            raw_keys = self._main_rows(raw_rows)  # [T, D] as the ring will return them
+            picks = [None] * len(plan.groups)
+            if index_queries is not None:
+                picks = [self._picks(group, index_queries, positions) for group in plan.groups]
+                if on_selection is not None:
+                    on_selection(IndexerSelection(self.layer, *index_queries, _token_picks(picks, cfg.index_topk)))
+            out = torch.cat([self._attend(group, q, raw_keys, group_picks)
+                             for group, group_picks in zip(plan.groups, picks, strict=True)], dim=1)
         ring = plan.ring_write
         put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
 
@@ -79,9 +94,28 @@ class PagedAttention:
         low_rank = torch.einsum("tgi,gri->tgr", grouped.to(self.wo_a.dtype), self.wo_a).flatten(1)
         return linear(low_rank, self.wo_b)
 
-    def _attend(self, group: AttentionGroup, q: torch.Tensor, raw_keys: torch.Tensor, index_queries,
-                positions: torch.Tensor) -> torch.Tensor:
-        """q [H, T, D] of the whole batch -> attention output [H, B*L, D] of the group's tokens."""
+    def _attend_with_kernels(self, q: torch.Tensor, raw_rows: torch.Tensor, index_queries, plan: BatchPlan,
+                             on_selection: SelectionSink | None) -> torch.Tensor:
+        """q [H, T, D], raw_rows [T, row_bytes] -> attention output [H, T, D], the whole batch at once."""
+        cfg, pools = self.cfg, self.pools
+        selected = None
+        if index_queries is not None:
+            selected = dispatch.indexer_topk(*index_queries, pools.index_keys(self.layer), pools.index_format,
+                                             plan.page_table, plan.token_chunk, plan.positions, cfg.index_topk)
+            if on_selection is not None:
+                on_selection(IndexerSelection(self.layer, *index_queries, selected))
+        compressed = self.compressor is not None
+        out = dispatch.sparse_attention(
+            q.transpose(0, 1), self.sink, raw_rows, pools.window(self.layer), plan.token_chunk, plan.positions,
+            plan.chunk_slots, plan.chunk_starts, row_format=pools.main_format,
+            compressed=pools.compressed_rows(self.layer) if compressed else None,
+            page_table=plan.page_table if compressed else None, ratio=self.ratio, selected=selected,
+            rope_dim=cfg.rope_head_dim)
+        return out.transpose(0, 1)
+
+    def _attend(self, group: AttentionGroup, q: torch.Tensor, raw_keys: torch.Tensor, picks) -> torch.Tensor:
+        """q [H, T, D] of the whole batch -> attention output [H, B*L, D] of the group's tokens; `picks`
+        [B, L, k] the indexer's (CSA layers)."""
         acc = accumulation_dtype(q.dtype)
         batch, length, block = group.batch, group.length, group.block
         blocks, band = group.band_allowed.shape[1], group.band_allowed.shape[-1]
@@ -97,7 +131,7 @@ class PagedAttention:
             seen = group.compressed[self.ratio]
             stored = self.pools.compressed_rows(self.layer)
             compressed = self._gather_main_rows(stored, (seen.pages, seen.page_rows), seen.exists).to(acc)
-            allowed = seen.visible if index_queries is None else self._picks(group, index_queries, positions)
+            allowed = seen.visible if picks is None else picks_mask(picks, seen.pages.shape[1])
             compressed_allowed = torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
         out = banded_sink_attention(queries, raw, group.band_allowed, compressed, compressed_allowed, self.sink,
                                     self.cfg.head_dim**-0.5)  # [B, N, H, Q, D]
@@ -113,14 +147,13 @@ class PagedAttention:
         return q, weights
 
     def _picks(self, group: AttentionGroup, index_queries, positions: torch.Tensor) -> torch.Tensor:
-        """[B, L, n_max] bool: the compressed rows the lightning indexer picks for each query."""
+        """[B, L, min(topk, n_max)]: the compressed rows the lightning indexer picks for each query, -1 padded."""
         cfg, seen = self.cfg, group.compressed[self.ratio]
         stored = take_rows(self.pools.index_keys(self.layer), seen.pages, seen.page_rows)
         keys = row_formats.unpack_index_rows(stored.flatten(0, 1), self.pools.index_format, cfg.index_head_dim)
         q, weights = index_queries
-        picks = indexer_topk(group.rows(q), group.rows(weights), keys.unflatten(0, stored.shape[:2]),
-                             group.rows(positions), self.ratio, cfg.index_topk)
-        return picks_mask(picks, seen.pages.shape[1])
+        return indexer_topk(group.rows(q), group.rows(weights), keys.unflatten(0, stored.shape[:2]),
+                            group.rows(positions), self.ratio, cfg.index_topk)
 
     def _gather_main_rows(self, pool: torch.Tensor, index: tuple[torch.Tensor, ...], exists: torch.Tensor):
         """pool[index] as the cache returns it, [*index shape, head_dim]; rows that do not exist (before
@@ -135,6 +168,12 @@ class PagedAttention:
         if fmt in _PLAIN_ROW_DTYPES:  # rows stored as-is: a view, not unpack's copy
             return packed.view(_PLAIN_ROW_DTYPES[fmt])
         return row_formats.unpack_main_rows(packed, fmt, cfg.head_dim, cfg.rope_head_dim)
+
+
+def _token_picks(group_picks: list[torch.Tensor], topk: int) -> torch.Tensor:
+    """Each group's picks [B, L, k] -> the batch's [T, topk] (the groups' tokens are consecutive)."""
+    return torch.cat([torch.nn.functional.pad(picks.flatten(0, 1), (0, topk - picks.shape[-1]), value=-1)
+                      for picks in group_picks])
 
 
 def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor, compressed, compressed_allowed,

@@ -7,13 +7,18 @@ end mid-window: the plan (`CompressPlan`) says which state and token rows each c
 pools and which partial-state rows change, so the CSA overlap half carries across chunks.
 
 Rounding follows the reference (`dsv4.reference.compressor`): kv and score are kept and pooled in
-at least fp32, the pooled row is cast to the model dtype, then normed and rotated.
+at least fp32, the pooled row is cast to the model dtype, then normed and rotated. On the kernel
+path the pooling, norm, RoPE and quantise-and-insert of the new rows are one op
+(`dsv4.kernels.dispatch.compress_insert`), which rounds the same way.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dsv4.kernels import dispatch
+from dsv4.kernels.rows import pack_index_rows, pack_main_rows
+from dsv4.memory.pools import put_rows
 from dsv4.reference.ops import accumulation_dtype, linear, rms_norm
 from dsv4.reference.rope import apply_rope
 
@@ -36,17 +41,39 @@ class PagedCompressor:
         score = gate.to(self.ape.dtype) + self.ape[positions % self.ratio]
         return torch.cat([kv.to(acc), score.to(acc)], dim=-1)
 
-    def advance(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
-                state: torch.Tensor) -> torch.Tensor:
-        """Feed this batch's tokens into `state` [slots, rows, 2 * width] (updated in place) and
-        return the rows of the windows they complete, [n_windows, dim] in x's dtype."""
+    def advance(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, state: torch.Tensor,
+                cache: torch.Tensor, row_format: str, *, kernels: bool) -> None:
+        """Feed this batch's tokens into `state` [slots, rows, 2 * width] (updated in place) and store
+        the rows of the windows they complete in `cache` (a pool view of `row_format` rows) at
+        (plan.window_pages, plan.window_page_rows); with `kernels`, through the dispatcher's op."""
+        windows = self._feed(x, positions, plan, state)
+        if kernels:
+            acc = accumulation_dtype(x.dtype)
+            angles = plan.window_positions.to(acc).unsqueeze(-1) * self.inv_freq.to(acc)  # as apply_rope's
+            units = torch.arange(windows.shape[0], device=x.device)
+            dispatch.compress_insert(windows, units, torch.zeros_like(units), plan.window_positions // self.ratio,
+                                     angles.cos(), angles.sin(), self.norm, cache, plan.window_pages,
+                                     plan.window_page_rows, ratio=self.ratio, row_format=row_format,
+                                     eps=self.norm_eps, model_dtype=x.dtype)
+            return
+        pooled = self._pool(windows).to(x.dtype)
+        normed = rms_norm(pooled, self.norm, self.norm_eps)
+        rows = apply_rope(normed, plan.window_positions, self.inv_freq).to(x.dtype)
+        # "fp8" is the one index-key-only format; bf16 / fp32 rows are the same bytes either way.
+        packed = pack_index_rows(rows, "fp8") if row_format == "fp8" else \
+            pack_main_rows(rows, row_format, 2 * self.inv_freq.numel())
+        put_rows(cache, (plan.window_pages, plan.window_page_rows), packed)
+
+    def _feed(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
+              state: torch.Tensor) -> torch.Tensor:
+        """Updates `state` with this batch's tokens; returns the slots of every window they complete,
+        [n_windows, span, 2 * width] in at least fp32 (CSA: the previous window's 4 tokens first)."""
         rows = self.token_rows(x, positions)
         empty = torch.cat([rows.new_zeros(self.width), rows.new_full((self.width,), float("-inf"))])
         source = torch.cat([state[plan.state_slots, plan.state_rows].to(rows.dtype), rows, empty.unsqueeze(0)])
-        pooled = self._pool(source[plan.window_sources]).to(x.dtype)
+        windows = source[plan.window_sources]
         state[plan.update_slots, plan.update_rows] = source[plan.update_sources].to(state.dtype)
-        normed = rms_norm(pooled, self.norm, self.norm_eps)
-        return apply_rope(normed, plan.window_positions, self.inv_freq).to(x.dtype)
+        return windows
 
     def _pool(self, windows: torch.Tensor) -> torch.Tensor:
         """windows [n, span, 2 * width] -> [n, dim]: softmax over the window's slots, per channel."""

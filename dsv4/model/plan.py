@@ -11,6 +11,7 @@ Index building is vectorised over chunks and tokens: its cost does not grow with
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,16 @@ class BatchPlan:
     groups: tuple[AttentionGroup, ...]
     ring_write: RingWrite
     compress: dict[int, CompressPlan]  # by ratio
+    # The chunks in token-row order, as the kernels (`dsv4.kernels.dispatch`) take them:
+    rids: tuple[str, ...]  # [C]
+    token_chunk: torch.Tensor  # [T] each token's chunk (its row of page_table)
+    page_table: torch.Tensor  # [C, max pages], each row padded with its last page
+    chunk_slots: torch.Tensor  # [C]
+    chunk_starts: torch.Tensor  # [C] start_pos
+
+    def to(self, device: torch.device) -> BatchPlan:
+        """The same plan with every tensor on `device`."""
+        return _to_device(self, device)
 
 
 def build_plan(cfg: ModelConfig, batch: ForwardBatch, page_size: int) -> BatchPlan:
@@ -107,14 +118,33 @@ def build_plan(cfg: ModelConfig, batch: ForwardBatch, page_size: int) -> BatchPl
     for group in members:
         groups.append(_attention_group(cfg, chunks.select(first, first + len(group)), ratios))
         first += len(group)
+    positions, token_chunk = _ragged_arange(chunks.start, chunks.end)
     return BatchPlan(
         token_ids=torch.tensor([t for c in order for t in c.token_ids], dtype=torch.int64),
-        positions=_ragged_arange(chunks.start, chunks.end)[0],
+        positions=positions,
         sample_tokens=chunks.offset[sampled] + chunks.length[sampled] - 1,
         groups=tuple(groups),
         ring_write=_ring_write(chunks, cfg.sliding_window),
         compress={r: _compress_plan(chunks, r, _state_rows(cfg, r)) for r in ratios},
+        rids=tuple(c.rid for c in order),
+        token_chunk=token_chunk,
+        page_table=chunks.page_table,
+        chunk_slots=chunks.slot,
+        chunk_starts=chunks.start,
     )
+
+
+def _to_device(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, **{f.name: _to_device(getattr(value, f.name), device)
+                                             for f in dataclasses.fields(value)})
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_to_device(item, device) for item in value)
+    return value
 
 
 @dataclass(frozen=True)

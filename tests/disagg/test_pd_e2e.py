@@ -105,6 +105,7 @@ def test_abort_storm_script(stack):
     cmd = [sys.executable, str(REPO / "scripts" / "abort_storm.py"), "--decode-url", stack.decode.url,
            "--prefill-url", stack.prefill.url, "--reference-url", stack.colocated.url, "--rounds", "3",
            "--concurrency", "60", "--abort-window", "2.0", "--check-requests", "16", "--throughput-requests", "8",
+           "--throughput-samples", "1",
            "--request-timeout", "60", "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=420, check=False)
     summary = json.loads(done.stdout.strip().splitlines()[-1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import numpy as np
 import pytest
 from conftest import wait_until
 from pd_fakes import FakeDecodeTarget, FakePrefillSource, capabilities
@@ -146,6 +147,17 @@ async def test_bad_frames_on_live_links_are_counted_and_nothing_stalls(make_pair
     outs = [o async for o in pair.decode.submit(req)]
     assert outs[-1].finish_reason == "length", outs[-1].error
     assert pair.decode.ready()[0] and pair.prefill.ready()[0]
+
+
+async def test_a_payload_for_an_unknown_room_is_consumed_so_its_sender_never_stalls(make_pair):
+    pair = await make_pair()
+    decode_link = next(iter(pair.prefill._peers.values())).link
+    body = np.zeros(pair.target.capabilities.page_bytes, dtype=np.uint8)  # rendezvous-sized
+    header = PayloadHeader(room=987654, seq=0, target="page", index=0, generation=1, nbytes=body.nbytes,
+                           checksum=0)
+    assert await asyncio.wait_for(decode_link.send_payload(header, body), 5)
+    assert pair.decode.metrics.sample("dsv4_pd_dropped_frames", reason="unknown_room") == 1
+    await wait_until(lambda: pair.decode._discarding == 0, 5, "the discard receive to end")
 
 
 async def test_capability_mismatch_refuses_the_connection_on_both_sides(make_pair):

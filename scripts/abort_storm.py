@@ -156,8 +156,10 @@ def print_table(summary: dict) -> None:
     print(f"leaked (after settling):  {summary['leaked'] or 'none'}")
     print(f"ready:                    {summary['ready']}")
     print(f"correct after the storm:  {summary['correct_after']}/{summary['checked_after']}")
+    ratio = summary["throughput_after"] / summary["throughput_before"] if summary["throughput_before"] else 0.0
     print(f"throughput before/after:  {summary['throughput_before']} / {summary['throughput_after']} tokens/s "
-          f"(best of {summary['throughput_samples']})")
+          f"(best of {summary['throughput_samples']}); after/before {ratio:.3f}, "
+          f"{'within' if ratio >= 0.95 else 'NOT within'} 5%")
     for problem in summary["problems"]:
         print(f"  {problem}")
     print("PASSED" if summary["passed"] else "FAILED")

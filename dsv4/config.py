@@ -113,7 +113,7 @@ class ModelConfig:
 
     # -- reading and writing ----------------------------------------------------------------------
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "ModelConfig":
+    def from_json(cls, path: str | os.PathLike) -> ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -126,7 +126,7 @@ class ModelConfig:
         return cls.from_dict(raw)
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "ModelConfig":
+    def from_dict(cls, raw: dict) -> ModelConfig:
         r = _FieldReader(raw)
         num_layers = r.int("num_hidden_layers", "n_layers", "num_layers")
         head_dim = r.int("head_dim")

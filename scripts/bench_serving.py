@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import socket
 import statistics
@@ -65,7 +64,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def summarize(values: list[float]) -> str:
@@ -119,7 +118,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
             result.ok = seen > 0
             if not result.ok:
                 result.error = "no tokens"
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         result.error = f"{type(e).__name__}: {e}"[:200]
     return result
 
@@ -186,8 +185,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "dsv4", "serve", "--model", str(model_dir), "--port", str(self.port), *extra]
-        self.log = open(os.devnull, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         self.ready_timeout = ready_timeout
 
     def wait_ready(self) -> None:
@@ -213,7 +211,6 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
-        self.log.close()
 
 
 def small_checkpoint() -> Path:

@@ -15,7 +15,7 @@ KERNELS_ON_CUDA = torch.cuda.is_available() and os.environ.get("DSV4_KERNELS_INT
 if not KERNELS_ON_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from dsv4.tiny import make_tiny  # noqa: E402  (after TRITON_INTERPRET is set)
+from dsv4.tiny import make_tiny
 
 
 @pytest.fixture(scope="session")

@@ -109,3 +109,14 @@ def test_bytes_changed_after_the_write_fail_even_when_both_paths_agree():
     verifier = case.check(case.best().tolist())  # the picks the (corrupted) keys give: both paths agree
     (mismatch,) = verifier.mismatches
     assert mismatch.detail == "index-key rows [40] changed after they were written (fingerprint mismatch)"
+
+
+def test_a_page_written_whole_is_fingerprinted_as_written():
+    """A transferred page (StatePools.write_page) arrives with new rows: they are its rows now."""
+    case = Case()
+    rows = torch.arange(PAGE // 4)
+    page_0 = torch.zeros_like(rows)
+    case.pools.write_page(0, 1, case.pools.read_page(1, 1))  # page 1's rows over page 0's
+    assert not case.pools.changed_index_keys(LAYER, page_0, rows).any()
+    case.pools.index_keys(LAYER)[0, 3, 0] ^= 0x80
+    assert case.pools.changed_index_keys(LAYER, page_0, rows).tolist() == [r == 3 for r in range(PAGE // 4)]

@@ -18,6 +18,16 @@ if not KERNELS_ON_CUDA:
 from dsv4.tiny import make_tiny
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Test tensors are small: intra-op threads gain nothing, and on shared cores idle ones spin.
+    Servers that tests start run in their own processes with their own setting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """A `tiny` preset checkpoint directory in bf16 (seed 0)."""

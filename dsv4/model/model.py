@@ -12,7 +12,7 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.memory.pools import StatePools
-from dsv4.reference.mhc import HyperConnection, hc_head
+from dsv4.reference.mhc import HyperConnection, hc_head, layer_hyper_connections
 from dsv4.reference.ops import accumulation_dtype, linear, rms_norm
 from dsv4.reference.rope import layer_inv_freq
 
@@ -57,13 +57,8 @@ class _Block:
     """One decoder layer: mHC around attention, then mHC around the MoE."""
 
     def __init__(self, cfg: ModelConfig, layer: int, w, pools: StatePools, kernels: bool):
-        def hc(kind: str) -> HyperConnection:
-            return HyperConnection(*(w(f"layers.{layer}.hc_{kind}_{part}") for part in ("fn", "base", "scale")),
-                                   hc_mult=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
-                                   norm_eps=cfg.rms_norm_eps)
-
         self.eps = cfg.rms_norm_eps
-        self.attn_hc, self.ffn_hc = hc("attn"), hc("ffn")
+        self.attn_hc, self.ffn_hc = layer_hyper_connections(cfg, w, layer)
         self.attn_norm, self.ffn_norm = w(f"layers.{layer}.attn_norm.weight"), w(f"layers.{layer}.ffn_norm.weight")
         self.attn = PagedAttention(cfg, layer, w.under(f"layers.{layer}.attn."),
                                    layer_inv_freq(cfg, layer).to(pools.device), pools, kernels=kernels)

@@ -12,6 +12,17 @@ import torch
 from .ops import accumulation_dtype, rms_norm
 
 
+def layer_hyper_connections(cfg, w, layer: int) -> tuple[HyperConnection, HyperConnection]:
+    """The attention and FFN mixers of decoder layer `layer`; `w(name)` returns a weight."""
+
+    def hc(kind: str) -> HyperConnection:
+        return HyperConnection(*(w(f"layers.{layer}.hc_{kind}_{part}") for part in ("fn", "base", "scale")),
+                               hc_mult=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
+                               norm_eps=cfg.rms_norm_eps)
+
+    return hc("attn"), hc("ffn")
+
+
 class HyperConnection:
     """The mixing weights of one sublayer: `fn` [(2+n)*n, n*hidden], `base` [(2+n)*n], `scale` [3]."""
 

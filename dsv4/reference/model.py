@@ -14,7 +14,7 @@ from dsv4.config import ModelConfig, expected_weights
 from dsv4.kernels import rows as row_formats
 
 from .attention import Attention
-from .mhc import HyperConnection, hc_head
+from .mhc import HyperConnection, hc_head, layer_hyper_connections
 from .moe import MoE
 from .ops import accumulation_dtype, linear, rms_norm
 from .rope import layer_inv_freq
@@ -96,13 +96,8 @@ class _Block:
     """One decoder layer: mHC around attention, then mHC around the MoE."""
 
     def __init__(self, cfg: ModelConfig, layer: int, w, round_kv, round_index_keys):
-        def hc(kind: str) -> HyperConnection:
-            return HyperConnection(*(w(f"layers.{layer}.hc_{kind}_{part}") for part in ("fn", "base", "scale")),
-                                   hc_mult=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
-                                   norm_eps=cfg.rms_norm_eps)
-
         self.eps = cfg.rms_norm_eps
-        self.attn_hc, self.ffn_hc = hc("attn"), hc("ffn")
+        self.attn_hc, self.ffn_hc = layer_hyper_connections(cfg, w, layer)
         self.attn_norm, self.ffn_norm = w(f"layers.{layer}.attn_norm.weight"), w(f"layers.{layer}.ffn_norm.weight")
         self.attn = Attention(cfg, layer, w.under(f"layers.{layer}.attn."), layer_inv_freq(cfg, layer),
                               round_kv, round_index_keys)

@@ -14,7 +14,6 @@ import contextlib
 import random
 
 import pytest
-import torch
 
 from dsv4.config import CSA, ConfigError, ServerArgs
 from dsv4.engine.engine import Engine
@@ -25,15 +24,6 @@ from dsv4.tiny import make_tiny
 TINY_CSA_LAYERS = (1, 3)  # tiny: window, CSA, HCA, CSA; index_topk 16
 # Below and across the window / page edge (128) and well past 4 * topk, so the indexer selects.
 LENGTHS = [3, 17, 60, 100, 127, 128, 129, 150, 190, 200, 230, 257, 280, 300, 333, 400]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The test machine's cores are shared; oversubscribed OpenMP threads are several times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def parse(*argv) -> ServerArgs:

@@ -22,14 +22,6 @@ PROMPT_LENGTHS = (1, 3, 4, 5, 127, 128, 129, 300)
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def hf_from_official(directory, cfg: ModelConfig, state_dict) -> DeepseekV4ForCausalLM:
     save_checkpoint(directory, cfg, state_dict, fmt="bf16")
     return DeepseekV4ForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()

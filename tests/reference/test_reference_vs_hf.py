@@ -54,15 +54,6 @@ def oracle0() -> Oracle:
     return Oracle(0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on shared cores idle threads spin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def rms_relative_change(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt())
 

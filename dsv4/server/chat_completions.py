@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 
-import msgspec
 from aiohttp import web
 
 from dsv4 import chat
@@ -46,8 +45,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         max_new_tokens=max_tokens, tokens_param=tokens_param, temperature=body.temperature, top_p=body.top_p,
         top_k=body.top_k, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos, vocab_size=engine.model_config.vocab_size,
+        hidden_token_ids=stray_think_markers(engine.tokenizer, prompt.thinking),
     )
-    sampling = msgspec.structs.replace(sampling, hidden_token_ids=stray_think_markers(engine.tokenizer, prompt.thinking))
     v.check_fits(len(input_ids), max_tokens, engine.max_context, "messages", tokens_param)
     reply = _ChatReply(
         f"chatcmpl-{request[REQUEST_ID]}", engine.model_name, prompt, len(input_ids), request.app[HTTP_METRICS]

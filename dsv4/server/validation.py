@@ -241,6 +241,7 @@ def make_sampling(
     ignore_eos: bool,
     vocab_size: int,
     field_prefix: str = "",
+    hidden_token_ids: tuple[int, ...] = (),
 ) -> SamplingParams:
     """`field_prefix` names where the sampling fields sit in the body ("sampling_params." natively)."""
     f = field_prefix
@@ -269,6 +270,7 @@ def make_sampling(
         stop=stops,
         stop_token_ids=tuple(stop_token_ids or ()),
         ignore_eos=ignore_eos,
+        hidden_token_ids=hidden_token_ids,
     )
 
 

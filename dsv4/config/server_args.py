@@ -1,0 +1,166 @@
+"""ServerArgs: everything `python -m dsv4 serve` is told; flag names follow SGLang's where one exists."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from dsv4.config.faults import FaultInjection
+from dsv4.config.model import ConfigError
+
+# -- choices -------------------------------------------------------------------------------------
+
+DTYPES = ("bfloat16", "float32", "float64")  # float64 exists for oracle tests
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+INDEX_KEY_DTYPES = ("fp8", "bf16", "fp32")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEVICES = ("cpu", "cuda")
+VERIFY_INDEXER_MODES = ("off", "count", "fail")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Everything `python -m dsv4 serve` is told; flag names follow SGLang's where one exists."""
+
+    model: str | None = None  # None: the built-in tiny checkpoint, built once under cache_dir()
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "bfloat16"
+    page_size: int = 128
+    max_running_requests: int = 32
+    max_total_tokens: int = 65536  # KV pool size in tokens
+    chunked_prefill_size: int = 512  # tokens per tick, shared by decodes (one each) and prefill chunks
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    kv_cache_dtype: str = "auto"
+    index_key_dtype: str = "fp8"
+    max_request_bytes: int = 8 << 20
+    request_timeout: float = 600.0  # default deadline of a request, seconds
+    tick_stall_timeout: float = 5.0  # not ready when ticks stop advancing with work pending this long
+    max_queue_wait: float = 60.0  # not ready when the oldest waiting request is older than this
+    log_level: str = "info"
+    fault_inject: str | None = None
+    # -- device and live cross-checks (owner: dsv4/model, dsv4/kernels) --
+    device: str | None = None  # where pools and weights live; None: cuda when available, else cpu
+    verify_indexer: str = "off"  # count: count and log indexer disagreements; fail: also fail the request
+    verify_indexer_every: int = 1  # verify the indexer's selections every N ticks
+    # -- disaggregation (owner: dsv4/disagg; checked in _check_disaggregation) --
+    disaggregation_mode: str = "null"  # null: colocated; prefill or decode: one side of a PD pair
+    disaggregation_bootstrap_port: int = 8998  # prefill: the UCX port decode instances connect to
+    prefill_addr: tuple[str, ...] = ()  # decode: HOST:PORT of each prefill instance's bootstrap port
+    verify_transfers: bool = False  # decode: per-page checksums checked before a transfer is used
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (
+            ("dtype", self.dtype, DTYPES),
+            ("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES),
+            ("index_key_dtype", self.index_key_dtype, INDEX_KEY_DTYPES),
+            ("log_level", self.log_level, LOG_LEVELS),
+        ):
+            if value not in allowed:
+                raise ConfigError(f"--{name.replace('_', '-')} {value!r}: expected one of {allowed}")
+        if self.page_size <= 0 or self.page_size % 128:
+            # Compressed rows (ratio 4 and 128) must align with page boundaries.
+            raise ConfigError(f"--page-size {self.page_size} must be a positive multiple of 128")
+        for name in ("max_running_requests", "max_total_tokens", "chunked_prefill_size", "max_request_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if self.max_total_tokens < self.page_size:
+            raise ConfigError(f"--max-total-tokens {self.max_total_tokens} is less than one page ({self.page_size})")
+        if self.chunked_prefill_size < self.max_running_requests:
+            # Every running decode takes one token of the tick's budget; a smaller budget could
+            # leave some decodes out of every tick.
+            raise ConfigError(
+                f"--chunked-prefill-size {self.chunked_prefill_size} must be at least "
+                f"--max-running-requests {self.max_running_requests}"
+            )
+        if self.context_length is not None and self.context_length <= 0:
+            raise ConfigError("--context-length must be positive")
+        for name in ("request_timeout", "tick_stall_timeout", "max_queue_wait"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        FaultInjection.parse(self.fault_inject)
+        self._check_verification()
+        self._check_disaggregation()
+
+    def _check_verification(self) -> None:
+        if self.device is not None and self.device not in DEVICES:
+            raise ConfigError(f"--device {self.device!r}: expected one of {DEVICES}")
+        if self.verify_indexer not in VERIFY_INDEXER_MODES:
+            raise ConfigError(f"--verify-indexer {self.verify_indexer!r}: expected one of {VERIFY_INDEXER_MODES}")
+        if self.verify_indexer_every <= 0:
+            raise ConfigError(f"--verify-indexer-every {self.verify_indexer_every} must be positive")
+
+    def _check_disaggregation(self) -> None:
+        object.__setattr__(self, "prefill_addr", tuple(self.prefill_addr or ()))
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ConfigError(
+                f"--disaggregation-mode {self.disaggregation_mode!r}: expected one of {DISAGGREGATION_MODES}"
+            )
+        if self.disaggregation_mode == "decode" and not self.prefill_addr:
+            raise ConfigError("--disaggregation-mode decode needs at least one --prefill-addr HOST:PORT")
+        if self.prefill_addr and self.disaggregation_mode != "decode":
+            raise ConfigError("--prefill-addr is only meaningful with --disaggregation-mode decode")
+        for addr in self.prefill_addr:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--prefill-addr {addr!r}: expected HOST:PORT")
+        if not 0 <= self.disaggregation_bootstrap_port < 65536:
+            raise ConfigError(f"--disaggregation-bootstrap-port {self.disaggregation_bootstrap_port} is not a port")
+
+    @property
+    def faults(self) -> FaultInjection:
+        return FaultInjection.parse(self.fault_inject)
+
+    @staticmethod
+    def add_cli_args(parser) -> None:
+        d = ServerArgs
+        add = parser.add_argument
+        add("--model", "--model-path", dest="model", default=d.model,
+            help="checkpoint directory; default: a built-in tiny DeepSeek-V4-architecture checkpoint")
+        add("--host", default=d.host)
+        add("--port", type=int, default=d.port)
+        add("--api-key", default=d.api_key, help="require this bearer token on API routes")
+        add("--served-model-name", default=d.served_model_name)
+        add("--dtype", choices=DTYPES, default=d.dtype)
+        add("--page-size", type=int, default=d.page_size, help="tokens per KV page (a multiple of 128)")
+        add("--max-running-requests", type=int, default=d.max_running_requests)
+        add("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens")
+        add("--chunked-prefill-size", type=int, default=d.chunked_prefill_size, help="token budget per tick")
+        add("--context-length", type=int, default=d.context_length)
+        add("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype)
+        add("--index-key-dtype", choices=INDEX_KEY_DTYPES, default=d.index_key_dtype)
+        add("--max-request-bytes", type=int, default=d.max_request_bytes)
+        add("--request-timeout", type=float, default=d.request_timeout, help="default request deadline, seconds")
+        add("--tick-stall-timeout", type=float, default=d.tick_stall_timeout,
+            help="not ready when ticks stop advancing with work pending this long, seconds")
+        add("--max-queue-wait", type=float, default=d.max_queue_wait,
+            help="not ready when the oldest waiting request is older than this, seconds")
+        add("--log-level", choices=LOG_LEVELS, default=d.log_level)
+        add("--fault-inject", default=d.fault_inject, help=argparse.SUPPRESS)  # test-only: out of --help
+        # -- device and live cross-checks --
+        add("--device", choices=DEVICES, default=d.device,
+            help="where the model's weights and state live (default: cuda when available, else cpu)")
+        add("--verify-indexer", nargs="?", const="count", choices=VERIFY_INDEXER_MODES, default=d.verify_indexer,
+            help="re-run the reference indexer on the cached state and compare its top-k with the fast path's; "
+                 "count (the default when given without a value): count and log disagreements; fail: also fail "
+                 "the affected request")
+        add("--verify-indexer-every", type=int, default=d.verify_indexer_every, metavar="N",
+            help="with --verify-indexer: verify every N ticks")
+        # -- disaggregation --
+        add("--disaggregation-mode", choices=DISAGGREGATION_MODES, default=d.disaggregation_mode,
+            help="null: serve alone; prefill: compute prompts for decode instances; decode: serve users, "
+                 "prefill remotely")
+        add("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port,
+            help="prefill mode: UCX port that decode instances connect to")
+        add("--prefill-addr", action="append", default=None, metavar="HOST:PORT",
+            help="decode mode: a prefill instance's bootstrap address (repeatable)")
+        add("--verify-transfers", action="store_true",
+            help="decode mode: check per-page checksums of every transfer before using it")
+
+    @classmethod
+    def from_cli(cls, namespace) -> ServerArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(namespace).items() if k in names})

@@ -80,7 +80,9 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
 
     `text` is the detokenised delta for `token_ids` (complete UTF-8 only; stop strings trimmed).
     The last output of a request has `finished=True` and a `finish_reason` in
-    {"stop", "length", "abort", "error"}; `error` explains "error" and "abort".
+    {"stop", "length", "abort", "error"}; `error` explains "error" and "abort", and `error_status` is
+    the HTTP status that failure maps to: 4xx when the request's own input is the cause, 503 when the
+    server is shutting down, 500 otherwise (ARCHITECTURE.md invariant 5: a request's failure is its own).
     """
 
     rid: str
@@ -91,6 +93,7 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    error_status: int = 500
 
 
 # == disaggregation (prefill/decode transfer frames; owner: dsv4/disagg) =========================

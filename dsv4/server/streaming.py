@@ -42,7 +42,9 @@ def engine_call(request: web.Request, input_ids: list[int], sampling: SamplingPa
 
 def failure(output: RequestOutput) -> ApiError:
     reason = output.error or f"request ended with finish_reason {output.finish_reason!r}"
-    return server_error(reason, code=output.finish_reason)
+    if 400 <= output.error_status < 500:
+        return ApiError(output.error_status, reason, code=output.finish_reason)
+    return server_error(reason, code=output.finish_reason, status=output.error_status)
 
 
 async def next_output(call: EngineCall) -> RequestOutput:

@@ -31,6 +31,7 @@ class ChatPrompt:
 def build_chat_prompt(body: v.ChatCompletionBody) -> ChatPrompt:
     if not body.messages:
         raise bad_request("messages must not be empty", param="messages")
+    _check_tool_turns(body.messages)
     tools = _tools_shown(body)
     thinking, effort = _thinking(body)
     messages = [msgspec.to_builtins(m) for m in body.messages]
@@ -39,9 +40,43 @@ def build_chat_prompt(body: v.ChatCompletionBody) -> ChatPrompt:
         text = chat.encode_messages(messages, tools=tools or None, thinking=thinking, reasoning_effort=effort)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise bad_request(f"messages cannot be rendered: {e}", param="messages") from None
+    except RecursionError:
+        raise v.too_deep() from None
     forced = _forced_start(body.tool_choice, tools, thinking)
     names = [tool["function"]["name"] for tool in tools]
     return ChatPrompt(text=text + forced, thinking=thinking, tool_names=names, forced_start=forced)
+
+
+def _check_tool_turns(messages: list[v.ChatMessage]) -> None:
+    """A tool result answers a call the assistant made just before it (OpenAI's rule), and a call's
+    arguments are a JSON object: the prompt would otherwise show the model a conversation that never
+    happened."""
+    open_calls: set[str] | None = None  # ids of the last assistant turn's calls, while results may follow
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if message.role == "assistant":
+            open_calls = None
+            for j, call in enumerate(message.tool_calls or ()):
+                try:
+                    arguments = msgspec.json.decode(call.function.arguments)
+                except (msgspec.DecodeError, RecursionError):
+                    arguments = None
+                if not isinstance(arguments, dict):
+                    raise bad_request("tool call arguments must be a JSON object serialised as a string",
+                                      param=f"{where}.tool_calls[{j}].function.arguments")
+            if message.tool_calls:
+                open_calls = {call.id for call in message.tool_calls if call.id is not None}
+        elif message.role == "tool":
+            if open_calls is None:
+                raise bad_request("a tool message must follow an assistant message with tool_calls",
+                                  param=f"{where}.role")
+            if not message.tool_call_id:
+                raise bad_request("a tool message needs the tool_call_id it answers", param=f"{where}.tool_call_id")
+            if open_calls and message.tool_call_id not in open_calls:
+                raise bad_request(f"tool_call_id {message.tool_call_id!r} answers no call of the preceding "
+                                  "assistant message", param=f"{where}.tool_call_id")
+        else:
+            open_calls = None
 
 
 def _tools_shown(body: v.ChatCompletionBody) -> list[dict]:

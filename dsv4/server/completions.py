@@ -29,6 +29,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body: v.CompletionBody = await v.decode_body(request, v.CompletionBody, args.max_request_bytes)
     v.check_model(body.model, engine.model_name)
     v.check_single_choice(body.n)
+    v.check_no_penalties(body)
     _check_unsupported(body)
     input_ids = _prompt_ids(body.prompt, engine.tokenizer)
     v.check_prompt_ids(input_ids, engine.model_config.vocab_size, "prompt")

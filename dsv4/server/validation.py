@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 import msgspec
 from aiohttp import web
@@ -12,10 +13,24 @@ from dsv4.server.errors import ApiError, bad_request
 
 MAX_STOP_SEQUENCES = 16
 
+# Ranges of every numeric field, enforced where the body is decoded so that nothing out of range
+# reaches the engine, a frame encoder or a kernel. Seeds take torch's int64 range, as vLLM does;
+# counts fit 32 bits.
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Count = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]  # signed: a negative count gets its own message
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]  # OpenAI's presence and frequency penalties
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=2.0)]
+LogitBias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
+StopList = Annotated[list[str], msgspec.Meta(max_length=MAX_STOP_SEQUENCES)]
+
 # msgspec reports where a value failed as "... - at `$.messages[0].role`", or names a missing
 # field as "missing required field `model`"; both become the OpenAI `param`.
 _AT_PATH = re.compile(r"- at `\$\.?(?P<path>[^`]*)`")
 _MISSING_FIELD = re.compile(r"missing required field `(?P<name>[^`]+)`")
+_OUT_OF_RANGE = re.compile(r"^(Expected `\w+` [<>]=? |Expected `\w+` of length|Number out of range)")
 
 
 # -- bodies ----------------------------------------------------------------------------------------
@@ -83,25 +98,32 @@ class OpenAISampling(msgspec.Struct, kw_only=True):
     """Sampling fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension, as in vLLM and SGLang
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
+    max_tokens: Count | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    top_k: TopK | None = None  # extension, as in vLLM and SGLang
+    seed: Seed | None = None
+    stop: str | StopList | None = None
+    stop_token_ids: list[Count] | None = None  # extension
     ignore_eos: bool = False  # extension
-    n: int = 1
+    n: Count = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
+    # Declared with their documented ranges so that a value out of range is a 400; any value other
+    # than the neutral one is refused (check_no_penalties) until sampling implements them.
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None  # extension
+    min_p: Probability | None = None  # extension
+    logit_bias: dict[str, LogitBias] | None = None
 
 
 class ChatCompletionBody(OpenAISampling, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Count | None = None
     # Tools and response_format are kept raw so that they reach the prompt in the client's key
     # order (the encoder re-serialises them verbatim); each is still validated against its Struct.
     response_format: msgspec.Raw = msgspec.Raw()  # empty when absent (msgspec has no Raw | None)
@@ -115,25 +137,25 @@ class ChatCompletionBody(OpenAISampling, kw_only=True):
 class CompletionBody(OpenAISampling, kw_only=True):
     # str, token ids, or a batch of one of either (msgspec allows one array type per union)
     prompt: str | list[str | int | list[int]]
-    logprobs: int | None = None
+    logprobs: Count | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Count | None = None
 
 
 class NativeSampling(msgspec.Struct, kw_only=True):
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    max_new_tokens: Count = 128
+    temperature: Temperature = 1.0
+    top_p: Probability = 1.0
+    top_k: TopK = -1
+    stop: str | StopList | None = None
+    stop_token_ids: list[Count] | None = None
+    seed: Seed | None = None
     ignore_eos: bool = False
 
 
 class GenerateBody(msgspec.Struct, kw_only=True):
-    input_ids: list[int] | None = None
+    input_ids: list[Count] | None = None
     text: str | None = None
     sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
     stream: bool = False
@@ -170,9 +192,16 @@ def _decode(raw, body_type: type, path_prefix: str):
     try:
         return msgspec.json.decode(raw, type=body_type)
     except msgspec.ValidationError as e:
-        raise bad_request(str(e), param=_join(path_prefix, _field_of(str(e))), code="invalid_type") from None
+        code = "invalid_value" if _OUT_OF_RANGE.search(str(e)) else "invalid_type"
+        raise bad_request(str(e), param=_join(path_prefix, _field_of(str(e))), code=code) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise too_deep() from None
+
+
+def too_deep():
+    return bad_request("request body is nested too deeply", code="invalid_json")
 
 
 def _too_large(max_bytes: int) -> ApiError:
@@ -247,15 +276,10 @@ def make_sampling(
     f = field_prefix
     if max_new_tokens < 1:
         raise bad_request(f"{tokens_param} must be at least 1, got {max_new_tokens}", param=tokens_param)
-    if temperature is not None and not 0.0 <= temperature <= 2.0:
-        raise bad_request(f"temperature must be within [0, 2], got {temperature}", param=f + "temperature")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise bad_request(f"top_p must be within (0, 1], got {top_p}", param=f + "top_p")
-    if top_k is not None and top_k < -1:
-        raise bad_request(f"top_k must be -1 (off) or non-negative, got {top_k}", param=f + "top_k")
+    # The ranges of temperature, top_k and the stop list are enforced when the body is decoded.
+    if top_p == 0.0:
+        raise bad_request("top_p must be within (0, 1], got 0", param=f + "top_p")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise bad_request(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported", param=f + "stop")
     if any(not s for s in stops):
         raise bad_request("stop sequences must not be empty", param=f + "stop")
     for token in stop_token_ids or ():
@@ -272,6 +296,17 @@ def make_sampling(
         ignore_eos=ignore_eos,
         hidden_token_ids=hidden_token_ids,
     )
+
+
+def check_no_penalties(body: OpenAISampling) -> None:
+    """Refuses the sampling processors dsv4 does not implement yet, instead of ignoring them."""
+    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
+    for name, value in neutral.items():
+        if getattr(body, name) not in (None, value):
+            raise bad_request(f"{name} is not supported yet; omit it or send {value}", param=name,
+                              code="unsupported_parameter")
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported yet", param="logit_bias", code="unsupported_parameter")
 
 
 def check_single_choice(n: int) -> None:

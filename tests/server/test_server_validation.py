@@ -9,6 +9,9 @@ COMPLETIONS = "/v1/completions"
 GENERATE = "/generate"
 HELLO = [{"role": "user", "content": "hi"}]
 TOO_LONG = "x" * 300  # the fake engine's context is 256 tokens of one character each
+TOOL_CALL = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+DEEP = "[" * 1000 + "]" * 1000
 
 BAD_BODIES = [
     # (route, body, status, param, code)
@@ -68,6 +71,42 @@ BAD_BODIES = [
     (GENERATE, {"text": "hi", "sampling_params": {"top_k": "all"}}, 400, "sampling_params.top_k", "invalid_type"),
     (GENERATE, {"text": "hi", "sampling_params": {"stop_token_ids": [-3]}}, 400,
      "sampling_params.stop_token_ids", None),
+    # Numbers at and past the edges of their ranges never reach the engine (a seed past 64 bits
+    # used to kill the tick loop).
+    *[(CHAT, {"messages": HELLO, "temperature": 0.5, "seed": seed}, 400, "seed", "invalid_value")
+      for seed in (2**64, 18446744073709551616 * 7, 2**63, -(2**63) - 1)],
+    (COMPLETIONS, {"prompt": "hi", "seed": 2**64}, 400, "seed", "invalid_value"),
+    (GENERATE, {"text": "hi", "sampling_params": {"seed": 2**64}}, 400, "sampling_params.seed", "invalid_value"),
+    (GENERATE, {"text": "hi", "sampling_params": {"top_k": 2**64}}, 400, "sampling_params.top_k", "invalid_value"),
+    (CHAT, {"messages": HELLO, "top_k": 2**40}, 400, "top_k", "invalid_value"),
+    (CHAT, {"messages": HELLO, "max_tokens": 2**70}, 400, "max_tokens", "invalid_value"),
+    (CHAT, {"messages": HELLO, "n": 2**64}, 400, "n", "invalid_value"),
+    (CHAT, {"messages": HELLO, "top_p": 1.5}, 400, "top_p", "invalid_value"),
+    (CHAT, {"messages": HELLO, "stop": ["s"] * 17}, 400, "stop", "invalid_value"),
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [2**65]}, 400, "stop_token_ids[0]", "invalid_value"),
+    (COMPLETIONS, {"prompt": "hi", "best_of": -(2**64)}, 400, "best_of", "invalid_value"),
+    # Penalties: out of range is invalid; in range but not neutral is refused, never ignored.
+    (CHAT, {"messages": HELLO, "presence_penalty": 2.5}, 400, "presence_penalty", "invalid_value"),
+    (CHAT, {"messages": HELLO, "frequency_penalty": -3}, 400, "frequency_penalty", "invalid_value"),
+    (CHAT, {"messages": HELLO, "repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value"),
+    (CHAT, {"messages": HELLO, "logit_bias": {"5": 101}}, 400, "logit_bias[...]", "invalid_value"),
+    (CHAT, {"messages": HELLO, "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
+    (COMPLETIONS, {"prompt": "hi", "frequency_penalty": 1}, 400, "frequency_penalty", "unsupported_parameter"),
+    (COMPLETIONS, {"prompt": "hi", "min_p": 0.1}, 400, "min_p", "unsupported_parameter"),
+    (CHAT, {"messages": HELLO, "logit_bias": {"5": 1}}, 400, "logit_bias", "unsupported_parameter"),
+    # Chat structure: a tool result answers a call made just before it; call arguments are JSON.
+    (CHAT, {"messages": [*HELLO, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, 400,
+     "messages[1].role", None),
+    (CHAT, {"messages": [*HELLO, TOOL_CALL, {"role": "tool", "content": "sunny"}]}, 400,
+     "messages[2].tool_call_id", None),
+    (CHAT, {"messages": [*HELLO, TOOL_CALL, {"role": "tool", "tool_call_id": "c9", "content": "sunny"}]}, 400,
+     "messages[2].tool_call_id", None),
+    (CHAT, {"messages": [*HELLO, TOOL_CALL, {"role": "user", "content": "and?"},
+                         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, 400, "messages[3].role", None),
+    *[(CHAT, {"messages": [*HELLO, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}]}, 400,
+       "messages[1].tool_calls[0].function.arguments", None)
+      for arguments in ("{city: Paris}", "[1, 2]", '"Paris"', "")],
 ]
 
 
@@ -151,6 +190,44 @@ async def test_unexpected_exception_is_500_with_request_id(client, engine):
     assert "secret internals" not in error["message"] and "Traceback" not in error["message"]
     assert response.headers["X-Request-Id"] in error["message"]
     await assert_alive(client)
+
+
+@pytest.mark.parametrize("route,raw", [
+    (CHAT, ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+           '{"name": "f", "parameters": {"a": DEEP}}}]}')),
+    (CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "x": DEEP}]}]}'),
+    (COMPLETIONS, '{"prompt": "hi", "metadata": {"a": DEEP}}'),
+    (GENERATE, '{"text": "hi", "extra": DEEP}'),
+])
+async def test_deep_nesting_is_400(client, engine, route, raw):
+    raw = raw.replace("DEEP", DEEP)
+    response = await client.post(route, data=raw.encode(), headers={"Content-Type": "application/json"})
+    await assert_error(response, 400, None, "invalid_json")
+    assert not engine.submitted
+    await assert_alive(client)
+
+
+async def test_numbers_beyond_float_range_are_400(client):
+    raw = b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}'
+    response = await client.post(CHAT, data=raw, headers={"Content-Type": "application/json"})
+    await assert_error(response, 400, "temperature", "invalid_value")
+
+
+async def test_tool_turns_that_answer_their_calls_are_accepted(client, engine):
+    engine.max_context = 1024
+    messages = [*HELLO, TOOL_CALL, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    response = await client.post(CHAT, json={"messages": messages, "max_tokens": 5})
+    assert response.status == 200, await response.text()
+    assert engine.submitted
+
+
+async def test_edge_of_range_values_are_accepted(client, engine):
+    for seed in (2**63 - 1, -(2**63), 0):
+        body = {"messages": HELLO, "max_tokens": 5, "temperature": 2, "seed": seed, "top_k": 2**31 - 1,
+                "presence_penalty": 0, "repetition_penalty": 1, "logit_bias": {}}
+        response = await client.post(CHAT, json=body)
+        assert response.status == 200, await response.text()
+    assert [r.sampling.seed for r in engine.submitted] == [2**63 - 1, -(2**63), 0]
 
 
 async def test_good_requests_still_work_after_bad_ones(client):

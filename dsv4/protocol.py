@@ -98,8 +98,8 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
 
 # == disaggregation (prefill/decode transfer frames; owner: dsv4/disagg) =========================
 #
-# Control frames travel as msgpack over UCX active messages; payload bytes travel as raw buffers
-# over tagged messages announced by a PayloadHeader. Every frame carries `version`: a receiver
+# Control frames travel as msgpack over UCX multi-buffer tag messages; payload bytes travel as raw
+# buffers over tagged messages announced by a PayloadHeader. Every frame carries `version`: a receiver
 # decodes `FrameHead` first, so a frame of another version is counted and dropped, not misread.
 
 PD_PROTOCOL_VERSION = 1
@@ -152,11 +152,29 @@ class Hello(_Frame, tag="hello"):
     capabilities: Capabilities
 
 
+class PrefillLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What one prefill instance can take; unlike `Capabilities`, instances may differ. (Page size and
+    index-key dtype travel in `Capabilities`, which must match.)"""
+
+    context_length: int  # the most tokens one request may hold: its prompt + the one token sampled
+    pool_tokens: int  # pages in its pool x page size
+
+    def refusal(self, prompt_tokens: int, page_size: int) -> str | None:
+        """None when a prompt of `prompt_tokens` fits, else why not (the prefill engine's own checks)."""
+        if prompt_tokens + 1 > self.context_length:
+            return (f"prompt ({prompt_tokens} tokens) + 1 exceeds the prefill instance's context limit of "
+                    f"{self.context_length} tokens")
+        if -(-prompt_tokens // page_size) * page_size > self.pool_tokens:
+            return f"prompt ({prompt_tokens} tokens) exceeds the prefill instance's pool of {self.pool_tokens} tokens"
+        return None
+
+
 class HelloAck(_Frame, tag="hello_ack"):
     instance_id: str
     accepted: bool
     error: str | None = None
     capabilities: Capabilities | None = None
+    limits: PrefillLimits | None = None  # the prefill side's, when it accepts
 
 
 class PrefillRequest(_Frame, tag="prefill"):
@@ -198,6 +216,9 @@ class Commit(_Frame, tag="commit"):
 class Abort(_Frame, tag="abort"):
     room: int
     reason: str
+    # The HTTP status the failure maps to (`RequestOutput.error_status`): 4xx when the request's own
+    # input is the cause (a prompt the prefill instance refuses), 5xx otherwise.
+    status: int = 500
 
 
 class AbortAck(_Frame, tag="abort_ack"):

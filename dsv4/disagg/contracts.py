@@ -1,7 +1,7 @@
 """What each side of a transfer needs from its engine, and the timeouts bounding every state.
 
-The engine side implements these (dsv4/disagg/engine_hooks.py adapts the real Engine; tests use a
-fake); the state machines in prefill.py and decode.py know nothing else about the engine.
+The engine side implements these (dsv4/engine/pd.py adapts the real Engine; tests use a fake);
+the state machines in prefill.py and decode.py know nothing else about the engine.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from dsv4.memory.allocator import Handle
-from dsv4.protocol import Capabilities, GenerationRequest, RequestOutput, SamplingParams
+from dsv4.protocol import Capabilities, GenerationRequest, PrefillLimits, RequestOutput, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,22 @@ class ExportedState:
     slot_checksum: int
 
 
+class RequestFailed(Exception):
+    """A failure that belongs to one request: it ends that request only, never the instance.
+    `status` is the HTTP status it maps to for the client (4xx when the request's input is the cause)."""
+
+    def __init__(self, reason: str, status: int = 500):
+        super().__init__(reason)
+        self.status = status
+
+
 class PrefillSource(Protocol):
     capabilities: Capabilities
+    limits: PrefillLimits
 
     async def compute(self, rid: str, prompt_ids: tuple[int, ...], sampling: SamplingParams) -> ExportedState:
-        """Computes the prompt and samples its first token; cancelling it aborts the computation."""
+        """Computes the prompt and samples its first token; cancelling it aborts the computation.
+        Raises RequestFailed when this prompt cannot be served (refused, or failed in the engine)."""
 
     def ready(self) -> tuple[bool, list[str]]: ...
 

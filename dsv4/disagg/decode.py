@@ -9,12 +9,19 @@ after a Commit that names the right generations, follows every payload and (in v
 carries checksums equal to what landed in the pools. A failed transfer keeps its pages, slot and
 staging until it has proof that nothing more can land: a Commit, a DrainAck or the peer's own
 Abort, plus the end of its posted receives; without proof within the lease, the peer is fenced.
+Receives land only in staging, never in the pools, so once the peer is fenced the pages and slot go
+back even if a receive never ends; that receive's staging buffer is abandoned, never reused. Pages
+are never released while an install copy into them may still run (shutdown included).
+
+A transfer's failure is its request's (ARCHITECTURE.md invariant 5): a prefill's Abort, a deadline,
+a bad frame for its room, a frame that cannot be encoded or an unexpected exception ends that
+request with its reason and HTTP status (4xx when the request's input is the cause); only the
+links and this side's service tasks make the instance not ready.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import time
@@ -22,7 +29,6 @@ import uuid
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import numpy as np
 from ucxx.exceptions import UCXError
@@ -31,10 +37,11 @@ from dsv4.disagg.contracts import DEFAULT_TIMEOUTS, DecodeTarget, PdTimeouts
 from dsv4.disagg.faults import TransferFaults
 from dsv4.disagg.metrics import DisaggMetrics
 from dsv4.disagg.peers import PrefillPeer
+from dsv4.disagg.routing import PeerRouter
 from dsv4.disagg.staging import StagingPool
 from dsv4.disagg.supervisor import Supervisor
-from dsv4.disagg.transport import Link, frame_kind, prompt_checksum
-from dsv4.memory.allocator import Handle
+from dsv4.disagg.transfer import STATE_TIMEOUT, ClientAbort, DecodeState, DecodeTransfer, Received, TransferFailed
+from dsv4.disagg.transport import FrameEncodeError, Link, frame_kind, prompt_checksum
 from dsv4.protocol import (
     Abort,
     AbortAck,
@@ -50,66 +57,7 @@ from dsv4.protocol import (
 
 log = logging.getLogger(__name__)
 
-
-class DecodeState(enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"
-    WAITING_FOR_PREFILL = "waiting_for_prefill"
-    TRANSFERRING = "transferring"
-    COMMITTING = "committing"
-    DONE = "done"
-    FAILED = "failed"
-
-
 MAX_DISCARDING = 64
-
-
-class TransferFailed(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class _Received:
-    seq: int
-    error: str | None  # None: the body is in its staging buffer
-
-
-@dataclass(frozen=True)
-class _ClientAbort:
-    reason: str
-
-
-@dataclass(eq=False)
-class DecodeTransfer:
-    req: GenerationRequest
-    room: int
-    created_at: float
-    state: DecodeState = DecodeState.BOOTSTRAPPING
-    state_since: float = 0.0
-    peer: PrefillPeer | None = None
-    link: Link | None = None  # the peer's link this room was sent on (a reconnect makes a new one)
-    pages: list[Handle] = field(default_factory=list)
-    slot: Handle | None = None
-    headers: dict[int, PayloadHeader] = field(default_factory=dict)  # seq -> header
-    staging: dict[int, np.ndarray] = field(default_factory=dict)  # seq -> buffer this transfer owns
-    receiving: set[asyncio.Task] = field(default_factory=set)
-    received: set[int] = field(default_factory=set)
-    failure: str | None = None
-    drained: bool = False  # the peer proved it sends nothing more for this room
-    lease: str = "none"  # none | held | released | fenced
-    commit: Commit | None = None
-    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
-    outcome: asyncio.Future | None = None
-
-    def enter(self, state: DecodeState) -> None:
-        self.state, self.state_since = state, time.monotonic()
-
-
-_STATE_TIMEOUT = {
-    DecodeState.BOOTSTRAPPING: "bootstrap",
-    DecodeState.WAITING_FOR_PREFILL: "wait_for_prefill",
-    DecodeState.TRANSFERRING: "transfer",
-    DecodeState.COMMITTING: "commit",
-}
 
 
 class RemotePrefill:
@@ -126,17 +74,20 @@ class RemotePrefill:
         self.verify = verify
         self.faults = faults or TransferFaults()
         self.metrics = DisaggMetrics()
-        self.supervisor = Supervisor("decode", on_death=lambda name: self.metrics.task_deaths.labels(name).inc())
+        self.supervisor = Supervisor(
+            "decode", on_death=lambda name: self.metrics.task_deaths.labels(name).inc(),
+            on_request_error=lambda name: self.metrics.request_task_errors.labels(name.split("-")[0]).inc())
         self.staging = StagingPool()
         self.peers = [
             PrefillPeer(addr, self.instance_id, target.capabilities, self.timeouts, self.metrics, self.faults,
-                        on_frame=self._route, on_lost=self._peer_lost, supervisor=self.supervisor)
+                        on_frame=self._route, on_lost=self._peer_lost, on_change=self._peers_changed,
+                        supervisor=self.supervisor)
             for addr in prefill_addrs
         ]
+        self.router = PeerRouter(self.peers, target.capabilities.page_size)
         self.transfers: dict[str, DecodeTransfer] = {}  # rid -> transfer, until its resources are released
         self._by_room: dict[int, DecodeTransfer] = {}
         self._rooms = itertools.count(1)
-        self._peer_ready = asyncio.Event()
         self._max_queue_wait = max_queue_wait
         self._allocation_queue: deque[DecodeTransfer] = deque()  # FCFS: only the head allocates
         self._discarding = 0  # receives posted for payloads of unknown rooms
@@ -151,6 +102,10 @@ class RemotePrefill:
         await self.supervisor.stop()
 
     # -- the engine's entry points ------------------------------------------------------------------
+    def refusal(self, req: GenerationRequest) -> str | None:
+        """Why no prefill peer can ever take `req`'s prompt (the engine refuses it with 400), or None."""
+        return self.router.refusal(len(req.input_ids))
+
     def submit(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
         if req.rid in self.transfers:
             raise ValueError(f"request id {req.rid!r} is already in use")
@@ -159,7 +114,7 @@ class RemotePrefill:
                            outcome=asyncio.get_running_loop().create_future())
         self.transfers[req.rid] = t
         self._by_room[t.room] = t
-        self.supervisor.spawn(f"transfer-{t.room}", self._run(t), critical=False)
+        self.supervisor.spawn(f"transfer-{t.room}", self._run(t), kind="request")
         return self._outputs(t)
 
     def abort(self, rid: str, reason: str = "client disconnected") -> bool:
@@ -167,7 +122,7 @@ class RemotePrefill:
         t = self.transfers.get(rid)
         if t is None or t.state is DecodeState.DONE:
             return False
-        t.inbox.put_nowait(_ClientAbort(reason))
+        t.inbox.put_nowait(ClientAbort(reason))
         return True
 
     async def _outputs(self, t: DecodeTransfer) -> AsyncIterator[RequestOutput]:
@@ -176,10 +131,10 @@ class RemotePrefill:
         except asyncio.CancelledError:
             self.abort(t.req.rid, "client went away")
             raise
-        if isinstance(admitted, str):
-            reason = "abort" if admitted.startswith("aborted") else "error"
-            yield RequestOutput(rid=t.req.rid, finished=True, finish_reason=reason, error=admitted,
-                                prompt_tokens=len(t.req.input_ids))
+        if admitted is None:
+            reason = "abort" if t.failure.startswith("aborted") else "error"
+            yield RequestOutput(rid=t.req.rid, finished=True, finish_reason=reason, error=t.failure,
+                                error_status=t.status, prompt_tokens=len(t.req.input_ids))
             return
         async for out in admitted:
             yield out
@@ -191,18 +146,19 @@ class RemotePrefill:
             await self._receive_until_commit(t)
             await self._commit(t)
         except TransferFailed as e:
-            self._fail(t, str(e))
+            self._fail(t, str(e), e.status)
         except asyncio.CancelledError:
-            self._fail(t, "decode instance stopping")
-        except BaseException as e:
+            self._fail(t, "decode instance stopping", 503)
+        except Exception as e:  # a bug: this request's failure, logged with its traceback
+            log.exception("transfer %s (room %d) failed unexpectedly", t.req.rid, t.room)
+            self.metrics.request_task_errors.labels("transfer").inc()
             self._fail(t, f"transfer task failed: {type(e).__name__}: {e}")
-            raise
         finally:
             if t.state is not DecodeState.DONE:
                 await self._end_lease(t)
 
     def _deadline(self, t: DecodeTransfer) -> float:
-        bound = t.state_since + getattr(self.timeouts, _STATE_TIMEOUT[t.state])
+        bound = t.state_since + getattr(self.timeouts, STATE_TIMEOUT[t.state])
         return bound if t.req.deadline is None else min(bound, t.req.deadline)
 
     async def _next(self, t: DecodeTransfer):
@@ -212,14 +168,14 @@ class RemotePrefill:
             event = await asyncio.wait_for(t.inbox.get(), max(remaining, 0.0))
         except TimeoutError:
             raise TransferFailed(self._deadline_message(t)) from None
-        if isinstance(event, _ClientAbort):
+        if isinstance(event, ClientAbort):
             self.metrics.aborts.labels("client").inc()
             raise TransferFailed(f"aborted: {event.reason}")
         if isinstance(event, Abort):
             self.metrics.aborts.labels("prefill").inc()
             t.drained = True  # the prefill side aborts only once its room is quiescent
             self._send(t, AbortAck(room=t.room))
-            raise TransferFailed(f"prefill peer {t.peer.addr} failed the transfer: {event.reason}")
+            raise TransferFailed(f"prefill peer {t.peer.addr} failed the transfer: {event.reason}", event.status)
         return event
 
     def _deadline_message(self, t: DecodeTransfer) -> str:
@@ -228,11 +184,15 @@ class RemotePrefill:
         return f"{which} deadline exceeded in state {t.state.value}{peer}"
 
     async def _bootstrap(self, t: DecodeTransfer) -> None:
-        num_pages = -(-len(t.req.input_ids) // self.target.capabilities.page_size)
+        prompt_tokens = len(t.req.input_ids)
+        num_pages = -(-prompt_tokens // self.target.capabilities.page_size)
         while t.peer is None:
-            t.peer = self._pick_peer()
+            if (refusal := self.router.refusal(prompt_tokens)) is not None:
+                raise TransferFailed(refusal, 400)
+            t.peer = self.router.pick(prompt_tokens)
             if t.peer is None:
-                await self._wait_or_fail(t, self._peer_ready.wait(), self._no_peer_message())
+                await self._wait_or_fail(t, self.router.wait_for_change(),
+                                         "no usable prefill peer can take the prompt; " + self.router.no_peer_message())
         self._allocation_queue.append(t)
         try:
             while not t.pages:
@@ -260,7 +220,12 @@ class RemotePrefill:
             verify=self.verify,
         )
         t.enter(DecodeState.WAITING_FOR_PREFILL)
-        if not await t.link.send(request):
+        try:
+            sent = await t.link.send(request)
+        except FrameEncodeError as e:  # a value of the request msgpack cannot carry (e.g. a seed past 64 bits)
+            t.drained = True  # nothing was sent: the peer has nothing of this room
+            raise TransferFailed(f"the request cannot be sent to a prefill instance: {e}", 400) from None
+        if not sent:
             raise TransferFailed(f"prefill peer {t.peer.addr} went away: {t.peer.status}")
 
     async def _wait_or_fail(self, t: DecodeTransfer, waiting, why: str) -> None:
@@ -275,7 +240,7 @@ class RemotePrefill:
             getter.cancel()
         if getter in done and not getter.cancelled():
             event = getter.result()
-            if isinstance(event, _ClientAbort):
+            if isinstance(event, ClientAbort):
                 self.metrics.aborts.labels("client").inc()
                 raise TransferFailed(f"aborted: {event.reason}")
             self.metrics.dropped_frames.labels("unexpected_kind").inc()  # nothing was sent yet
@@ -287,7 +252,7 @@ class RemotePrefill:
             event = await self._next(t)
             if isinstance(event, PayloadHeader):
                 self._on_header(t, event)
-            elif isinstance(event, _Received):
+            elif isinstance(event, Received):
                 if event.error is not None:
                     raise TransferFailed(event.error)
                 t.received.add(event.seq)
@@ -344,9 +309,9 @@ class RemotePrefill:
                 error = None if zlib.crc32(target) == h.checksum else (
                     f"payload {h.seq} ({h.target} {h.index}) failed its checksum")
             if buf is not None:
-                t.inbox.put_nowait(_Received(h.seq, error))
+                t.inbox.put_nowait(Received(h.seq, error))
 
-        task = self.supervisor.spawn(f"receive-{t.room}-{h.seq}", receive(), critical=False)
+        task = self.supervisor.spawn(f"receive-{t.room}-{h.seq}", receive(), kind="request")
         t.receiving.add(task)
         task.add_done_callback(t.receiving.discard)
 
@@ -366,7 +331,7 @@ class RemotePrefill:
     async def _commit(self, t: DecodeTransfer) -> None:
         while len(t.received) < len(t.headers):
             event = await self._next(t)
-            if isinstance(event, _Received):
+            if isinstance(event, Received):
                 if event.error is not None:
                     raise TransferFailed(event.error)
                 t.received.add(event.seq)
@@ -375,7 +340,13 @@ class RemotePrefill:
             else:
                 self.metrics.dropped_frames.labels("unexpected_kind").inc()
         pages = [t.staging[i] for i in range(len(t.pages))]
-        page_sums, slot_sum = await self.target.install(t.pages, t.slot, pages, t.staging[len(t.pages)])
+        # Shielded: a cancelled transfer must not release its pages while the copy into them still runs.
+        t.installing = asyncio.ensure_future(self.target.install(t.pages, t.slot, pages, t.staging[len(t.pages)]))
+        try:
+            page_sums, slot_sum = await asyncio.wait_for(asyncio.shield(t.installing),
+                                                         max(self._deadline(t) - time.monotonic(), 0.0))
+        except TimeoutError:
+            raise TransferFailed("the copy into the pools did not finish within the commit deadline") from None
         c = t.commit
         if self.verify:
             bad = [i for i, (got, want) in enumerate(zip(page_sums, c.page_checksums)) if got != want]
@@ -397,21 +368,24 @@ class RemotePrefill:
         t.outcome.set_result(outputs)
 
     # -- failure and the end of a lease --------------------------------------------------------------
-    def _fail(self, t: DecodeTransfer, reason: str) -> None:
+    def _fail(self, t: DecodeTransfer, reason: str, status: int = 500) -> None:
         if t.failure is not None or t.state is DecodeState.DONE:
             return  # sticky: the first failure stands, and a done transfer is the engine's
-        t.failure = reason
+        t.failure, t.status = reason, status
         t.enter(DecodeState.FAILED)
         log.info("transfer %s (room %d) failed: %s", t.req.rid, t.room, reason)
         if not t.outcome.done():
-            t.outcome.set_result(reason)
+            t.outcome.set_result(None)  # the failure is in t.failure and t.status
 
     async def _end_lease(self, t: DecodeTransfer) -> None:
         """Releases what a failed transfer holds once nothing can land in it any more."""
         self.metrics.transfers.labels("aborted" if t.failure.startswith("aborted") else "failed").inc()
+        if t.installing is not None:
+            # Bounded by the engine's forward deadline; a stopping engine cancels a copy not yet begun.
+            await asyncio.wait({t.installing})
         link = t.link
         if link is not None and not t.drained and not link.closed:
-            self._send(t, Abort(room=t.room, reason=t.failure))
+            self._send(t, Abort(room=t.room, reason=t.failure, status=t.status))
             lease_end = time.monotonic() + self.timeouts.lease
             while not t.drained and not link.closed and time.monotonic() < lease_end:
                 self._send(t, Drain(room=t.room))
@@ -426,14 +400,16 @@ class RemotePrefill:
                 t.lease = "fenced"
             if t.receiving:
                 await asyncio.wait(set(t.receiving), timeout=self.timeouts.lease)
-        if t.receiving:
-            # Not even a fenced endpoint ended them: keep the buffers rather than risk reuse.
-            log.error("room %d: %d receives never ended; its staging and pages are quarantined",
-                      t.room, len(t.receiving))
-            t.lease = "quarantined"
-            return
         if t.peer is not None:
             t.peer.rooms.discard(t.room)
+        if t.receiving:
+            # The endpoint is fenced, yet UCX has not ended these receives. They can only ever land in
+            # staging: those buffers are abandoned (never reused); the pages and slot go back.
+            log.error("room %d: %d receives did not end after the fence; abandoning its staging buffers",
+                      t.room, len(t.receiving))
+            for buf in t.staging.values():
+                self.staging.abandon(buf)
+            t.staging.clear()
         self._release_staging(t)
         if t.pages:
             await self.target.release(t.pages, t.slot)
@@ -476,7 +452,7 @@ class RemotePrefill:
         self._by_room.pop(t.room, None)
 
     def _send(self, t: DecodeTransfer, frame) -> None:
-        self.supervisor.spawn(f"send-{frame_kind(frame)}", t.link.send(frame), critical=False)
+        self.supervisor.spawn(f"send-{frame_kind(frame)}", t.link.send(frame), kind="request")
 
     # -- frames from peers --------------------------------------------------------------------------
     def _route(self, link: Link, frame) -> None:
@@ -508,42 +484,45 @@ class RemotePrefill:
             finally:
                 self._discarding -= 1
 
-        self.supervisor.spawn(f"discard-{h.room}-{h.seq}", discard(), critical=False)
+        self.supervisor.spawn(f"discard-{h.room}-{h.seq}", discard(), kind="request")
 
     def _peer_lost(self, peer: PrefillPeer, link: Link) -> None:
         # The endpoint is closed, so UCX has cancelled every receive posted on it: nothing can land.
         for t in list(self._by_room.values()):
             if t.link is link:
                 t.inbox.put_nowait(Abort(room=t.room, reason=f"link lost: {link.close_reason}"))
-        self._update_peer_ready()
+        self._peers_changed()
 
-    def _pick_peer(self) -> PrefillPeer | None:
-        usable = [p for p in self.peers if p.usable]
-        self._update_peer_ready()
-        return min(usable, key=lambda p: len(p.rooms) + p.load, default=None)
-
-    def _update_peer_ready(self) -> None:
-        if any(p.usable for p in self.peers):
-            self._peer_ready.set()
-        else:
-            self._peer_ready.clear()
-
-    def _no_peer_message(self) -> str:
-        return "no prefill peer reachable: " + "; ".join(f"{p.addr} ({p.explain()})" for p in self.peers)
+    def _peers_changed(self) -> None:
+        self.router.changed()  # requests waiting for a peer look again
 
     # -- views --------------------------------------------------------------------------------------
     def ready(self) -> tuple[bool, list[str]]:
+        """Transfers are pending work: one waiting too long, or stuck past its state's deadline (a
+        copy into the pools that does not return, receives that do not end), makes this not ready."""
         ok, reasons = self.supervisor.ready()
-        if not any(p.usable for p in self.peers):
-            ok = False
-            reasons.append(self._no_peer_message())
-        if self._allocation_queue:
-            waited = time.monotonic() - self._allocation_queue[0].created_at
-            if waited > self._max_queue_wait:
-                ok = False
-                reasons.append(f"the oldest request waiting for a transfer destination has waited {waited:.1f} s "
-                               f"(--max-queue-wait {self._max_queue_wait:g} s)")
-        return ok, reasons
+        if not self.router.any_usable():
+            reasons.append(self.router.no_peer_message())
+        now = time.monotonic()
+        waiting = [t.created_at for t in self.transfers.values() if t.state is DecodeState.BOOTSTRAPPING]
+        if waiting and now - min(waiting) > self._max_queue_wait:
+            reasons.append(f"the oldest request waiting for a prefill peer or a transfer destination has waited "
+                           f"{now - min(waiting):.1f} s (--max-queue-wait {self._max_queue_wait:g} s)")
+        stuck = [t for t in self.transfers.values() if now - self._release_bound(t) > 0]
+        if stuck:
+            t = min(stuck, key=lambda t: t.state_since)
+            reasons.append(f"transfer of {t.req.rid} (room {t.room}) stuck in state {t.state.value} for "
+                           f"{now - t.state_since:.1f} s (lease {t.lease})")
+        return ok and not reasons, reasons
+
+    def _release_bound(self, t: DecodeTransfer) -> float:
+        """When `t` should have moved on at the latest: its state's deadline, or for a failed one the
+        longest a lease may take (drain, fence, receives ending), each with a lease of slack."""
+        if t.state in STATE_TIMEOUT:
+            if t.state is DecodeState.BOOTSTRAPPING:
+                return float("inf")  # bounded by its deadline and reported by --max-queue-wait above
+            return self._deadline(t) + self.timeouts.lease
+        return t.state_since + 4 * self.timeouts.lease
 
     def debug(self) -> dict:
         now = time.monotonic()
@@ -566,5 +545,6 @@ class RemotePrefill:
             "prefill_peers": [p.describe() for p in self.peers],
             "staging_buffers_in_use": self.staging.in_use,
             "staging_bytes_in_use": self.staging.bytes_in_use,
+            "staging_buffers_abandoned": self.staging.abandoned,
             "task_deaths": dict(self.supervisor.deaths),
         }

@@ -27,6 +27,9 @@ class DisaggMetrics:
         )
         self.task_deaths = Counter("dsv4_pd_task_deaths", "Supervised tasks that died", ["task"],
                                    registry=self.registry)
+        self.request_task_errors = Counter(
+            "dsv4_pd_request_task_errors", "Unexpected exceptions that failed one request (not the instance)",
+            ["task"], registry=self.registry)
 
     def sample(self, name: str, **labels) -> float:
         """A counter's current value (0 when never incremented); for tests and summaries."""

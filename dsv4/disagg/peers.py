@@ -2,7 +2,10 @@
 
 The connection is kept by one supervised task for the life of the instance. A prefill instance
 that restarts is reconnected (a new instance id); rooms in flight on the lost link fail with an
-error naming the peer, and new ones go to the new link.
+error naming the peer, and new ones go to the new link. The peer's limits (`PrefillLimits`, from
+its HelloAck) are kept across reconnects until a new handshake replaces them, so decode can refuse
+a prompt no peer can take even while a peer is away. `on_change` runs whenever the peer may have
+become usable or unusable (connected, its heartbeat's readiness flipped, link lost).
 """
 
 from __future__ import annotations
@@ -18,15 +21,16 @@ from dsv4.disagg.contracts import PdTimeouts
 from dsv4.disagg.faults import TransferFaults
 from dsv4.disagg.metrics import DisaggMetrics
 from dsv4.disagg.supervisor import Supervisor
-from dsv4.disagg.transport import Link, capability_mismatch, connect
-from dsv4.protocol import Capabilities, Heartbeat, Hello, HelloAck
+from dsv4.disagg.transport import Link, capability_mismatch, connect, frame_kind
+from dsv4.protocol import Capabilities, Heartbeat, Hello, HelloAck, PrefillLimits
 
 log = logging.getLogger(__name__)
 
 
 class PrefillPeer:
     def __init__(self, addr: str, instance_id: str, capabilities: Capabilities, timeouts: PdTimeouts,
-                 metrics: DisaggMetrics, faults: TransferFaults, *, on_frame, on_lost, supervisor: Supervisor):
+                 metrics: DisaggMetrics, faults: TransferFaults, *, on_frame, on_lost, on_change,
+                 supervisor: Supervisor):
         host, _, port = addr.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--prefill-addr {addr!r}: expected HOST:PORT")
@@ -38,7 +42,8 @@ class PrefillPeer:
         self._metrics = metrics
         self._faults = faults
         self._on_frame = on_frame  # (link, frame) for frames that name a room
-        self._on_lost = on_lost  # (peer) after a link ended
+        self._on_lost = on_lost  # (peer, link) after a link ended
+        self._on_change = on_change  # () when `usable` may have changed
         self._supervisor = supervisor
         self.link: Link | None = None
         self.status = "connecting"
@@ -46,6 +51,8 @@ class PrefillPeer:
         self.load = 0
         self.peer_ready = False
         self.peer_reasons: tuple[str, ...] = ()
+        self.limits: PrefillLimits | None = None  # None until a handshake told us
+        self._was_usable = False
         self._closing = False
 
     @property
@@ -95,27 +102,41 @@ class PrefillPeer:
             link.fence("capability mismatch")
             return None
         link.peer_instance = ack.instance_id
+        self.limits = ack.limits
         return link
 
     async def _serve(self, link: Link) -> None:
         self.link, self.peer_ready, self.load = link, True, 0
         self.status = f"connected to prefill instance {link.peer_instance}"
         log.info("prefill peer %s: %s", self.addr, self.status)
-        beat = self._supervisor.spawn(f"heartbeat-{self.addr}", self._heartbeat(link), critical=False)
+        beat = self._supervisor.spawn(f"heartbeat-{self.addr}", self._heartbeat(link), kind="connection")
+        self._changed()
         try:
             while (frame := await link.receive()) is not None:
                 if isinstance(frame, Heartbeat):
                     self.peer_ready, self.load, self.peer_reasons = frame.ready, frame.load, frame.reasons
+                    self._changed()
                 elif hasattr(frame, "room"):
-                    self._on_frame(link, frame)
+                    try:
+                        self._on_frame(link, frame)
+                    except Exception:  # one frame's problem (and its room's), not the link's
+                        log.exception("prefill peer %s: %s frame could not be handled", self.addr, frame_kind(frame))
+                        self._metrics.dropped_frames.labels("unhandled").inc()
                 else:
                     self._metrics.dropped_frames.labels("unexpected_kind").inc()
         finally:
             beat.cancel()
             self.peer_ready = False
+            self._was_usable = False
             self.status = f"disconnected from prefill instance {link.peer_instance}: {link.close_reason}"
             log.warning("prefill peer %s: %s", self.addr, self.status)
             self._on_lost(self, link)
+
+    def _changed(self) -> None:
+        usable = self.usable
+        if usable != self._was_usable:
+            self._was_usable = usable
+            self._on_change()
 
     async def _heartbeat(self, link: Link) -> None:
         for seq in itertools.count():
@@ -140,5 +161,7 @@ class PrefillPeer:
             "peer_ready": self.peer_ready,
             "peer_reasons": list(self.peer_reasons),
             "load": self.load,
+            "limits": None if self.limits is None else {"context_length": self.limits.context_length,
+                                                        "pool_tokens": self.limits.pool_tokens},
             "rooms_in_flight": len(self.rooms),
         }

@@ -6,6 +6,11 @@ is the decode side told it may reuse its buffers (DrainAck), or told of a prefil
 (Abort, which implies drained). Drain and Abort of a room this side does not know are answered at
 once: an unknown room has nothing in flight. A room whose sending overruns its deadline may have
 a send the decode side never matched, so its link is fenced instead.
+
+A room's failure is its own (ARCHITECTURE.md invariant 5): a prompt the engine refuses, a verify
+failure, a deadline or an unexpected exception while serving one room ends that room with an
+Abort naming the reason and its HTTP status; the instance stays ready. Only the infrastructure
+(the listener, the heartbeat, the reaper, the engine's tick) makes it not ready.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import uuid
 import zlib
 from dataclasses import dataclass, field
 
-from dsv4.disagg.contracts import DEFAULT_TIMEOUTS, PdTimeouts, PrefillSource
+from dsv4.disagg.contracts import DEFAULT_TIMEOUTS, PdTimeouts, PrefillSource, RequestFailed
 from dsv4.disagg.faults import InjectedFault, TransferFaults
 from dsv4.disagg.metrics import DisaggMetrics
 from dsv4.disagg.supervisor import Supervisor
@@ -60,6 +65,7 @@ class PrefillRoom:
     state: PrefillState = PrefillState.QUEUED
     state_since: float = 0.0
     failure: str | None = None
+    status: int = 500  # the failure's HTTP status, sent in the Abort
     failed_by_peer: bool = False  # the decode side aborted: answer with DrainAck, not Abort
     drain_requested: bool = False
     task: asyncio.Task | None = None
@@ -67,11 +73,11 @@ class PrefillRoom:
     def enter(self, state: PrefillState) -> None:
         self.state, self.state_since = state, time.monotonic()
 
-    def fail(self, reason: str) -> bool:
+    def fail(self, reason: str, status: int = 500) -> bool:
         """Sticky: the first failure wins and a later success cannot replace it."""
         if self.failure is not None or self.state is PrefillState.COMMITTED:
             return False
-        self.failure = reason
+        self.failure, self.status = reason, status
         self.enter(PrefillState.FAILED)
         return True
 
@@ -90,7 +96,9 @@ class PrefillServer:
         self.timeouts = timeouts
         self.faults = faults or TransferFaults()
         self.metrics = DisaggMetrics()
-        self.supervisor = Supervisor("prefill", on_death=lambda name: self.metrics.task_deaths.labels(name).inc())
+        self.supervisor = Supervisor(
+            "prefill", on_death=lambda name: self.metrics.task_deaths.labels(name).inc(),
+            on_request_error=lambda name: self.metrics.request_task_errors.labels(name.split("-")[0]).inc())
         self._requested_port = port
         self._listener = None
         self._peers: dict[int, DecodePeer] = {}
@@ -119,7 +127,7 @@ class PrefillServer:
             return
         link_id = next(self._link_ids)
         peer = self._peers[link_id] = DecodePeer(link)
-        self.supervisor.spawn(f"reader-{link_id}", self._read(link_id, peer), critical=False)
+        self.supervisor.spawn(f"reader-{link_id}", self._read(link_id, peer), kind="connection")
 
     async def _handshake(self, link: Link) -> bool:
         mine = self.source.capabilities
@@ -138,12 +146,17 @@ class PrefillServer:
             link.fence(f"capability mismatch: {mismatch}")
             return False
         link.peer_instance = hello.instance_id
-        return await link.send(HelloAck(instance_id=self.instance_id, accepted=True, capabilities=mine))
+        return await link.send(HelloAck(instance_id=self.instance_id, accepted=True, capabilities=mine,
+                                        limits=self.source.limits))
 
     async def _read(self, link_id: int, peer: DecodePeer) -> None:
         try:
             while (frame := await peer.link.receive()) is not None:
-                self._dispatch(peer, frame)
+                try:
+                    self._dispatch(peer, frame)
+                except Exception:  # a frame this side cannot handle is that frame's problem, not the link's
+                    log.exception("prefill: frame %s from %s could not be handled", frame_kind(frame), peer.link.peer)
+                    self.metrics.dropped_frames.labels("unhandled").inc()
         finally:
             self._peers.pop(link_id, None)
             for room in list(peer.rooms.values()):
@@ -179,7 +192,7 @@ class PrefillServer:
             self.metrics.dropped_frames.labels("unexpected_kind").inc()
 
     def _spawn_send(self, link: Link, frame) -> None:
-        self.supervisor.spawn(f"send-{frame_kind(frame)}", link.send(frame), critical=False)
+        self.supervisor.spawn(f"send-{frame_kind(frame)}", link.send(frame), kind="request")
 
     # -- one room ---------------------------------------------------------------------------------
     def _accept(self, peer: DecodePeer, req: PrefillRequest) -> None:
@@ -197,10 +210,10 @@ class PrefillServer:
             self._spawn_send(peer.link, Abort(room=req.room, reason=room.failure))
             return
         peer.rooms[req.room] = room
-        room.task = self.supervisor.spawn(f"room-{req.room}", self._serve(peer, room), critical=False)
+        room.task = self.supervisor.spawn(f"room-{req.room}", self._serve(peer, room), kind="request")
         # Not a `finally` in _serve: a task cancelled before its first step never runs its body.
         room.task.add_done_callback(
-            lambda _: self.supervisor.spawn(f"quiesce-{req.room}", self._quiesce(peer, room), critical=False))
+            lambda _: self.supervisor.spawn(f"quiesce-{req.room}", self._quiesce(peer, room), kind="request"))
 
     async def _serve(self, peer: DecodePeer, room: PrefillRoom) -> None:
         req = room.request
@@ -246,9 +259,12 @@ class PrefillServer:
                 self.metrics.latency.observe(time.monotonic() - room.received_at)
         except asyncio.CancelledError:
             self._fail(room, room.failure or "cancelled")
-        except BaseException as e:
+        except RequestFailed as e:
+            self._fail(room, str(e), status=e.status)
+        except Exception as e:  # a bug or an injected kill: this room's failure, logged with its traceback
+            log.exception("prefill: room %d failed unexpectedly", req.room)
+            self.metrics.request_task_errors.labels("room").inc()
             self._fail(room, f"prefill failed: {type(e).__name__}: {e}")
-            raise  # the supervisor records the death: this is a bug or an injected kill
 
     async def _quiesce(self, peer: DecodePeer, room: PrefillRoom) -> None:
         """The room's task has ended: nothing of it is or will be sent. Tell the decode side."""
@@ -262,10 +278,11 @@ class PrefillServer:
                 self.metrics.drains.inc()
         else:
             self.metrics.aborts.labels("prefill").inc()
-            await room.link.send(Abort(room=room.request.room, reason=f"prefill {self.instance_id}: {room.failure}"))
+            await room.link.send(Abort(room=room.request.room, reason=f"prefill {self.instance_id}: {room.failure}",
+                                       status=room.status))
 
-    def _fail(self, room: PrefillRoom, reason: str, *, by_peer: bool = False) -> bool:
-        if not room.fail(reason):
+    def _fail(self, room: PrefillRoom, reason: str, *, status: int = 500, by_peer: bool = False) -> bool:
+        if not room.fail(reason, status):
             return False
         room.failed_by_peer = room.failed_by_peer or by_peer
         return True

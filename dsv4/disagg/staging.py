@@ -3,7 +3,8 @@
 A transfer posts UCX receives only into buffers it acquired here, and gives them back only when
 no receive into them can still complete: its receive tasks have ended and either the sender
 proved it is drained (commit, drain acknowledgement, its own abort) or the link was fenced.
-A reused buffer therefore never sees a late byte from its previous transfer.
+A reused buffer therefore never sees a late byte from its previous transfer. A buffer whose receive
+never ended, even after its link was fenced, is abandoned: counted, and never handed out again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ class StagingPool:
         self._max_free = max_free_per_size
         self.in_use = 0
         self.bytes_in_use = 0
+        self.abandoned = 0
 
     def acquire(self, nbytes: int) -> np.ndarray:
         free = self._free[nbytes]
@@ -28,7 +30,15 @@ class StagingPool:
         return buf
 
     def release(self, buf: np.ndarray) -> None:
-        self.in_use -= 1
-        self.bytes_in_use -= buf.nbytes
+        self._forget(buf)
         if len(self._free[buf.nbytes]) < self._max_free:
             self._free[buf.nbytes].append(buf)
+
+    def abandon(self, buf: np.ndarray) -> None:
+        """`buf` may still be written by a receive that never ended: it is never handed out again."""
+        self._forget(buf)
+        self.abandoned += 1
+
+    def _forget(self, buf: np.ndarray) -> None:
+        self.in_use -= 1
+        self.bytes_in_use -= buf.nbytes

@@ -38,8 +38,9 @@ _head_decoder = msgspec.msgpack.Decoder(FrameHead)
 _frame_decoder = msgspec.msgpack.Decoder(PdFrame)
 
 
-class LinkClosed(ConnectionError):
-    pass
+class FrameEncodeError(ValueError):
+    """A frame that cannot be put on the wire (a value msgpack cannot carry, such as an integer beyond
+    64 bits): the failure of the one request the frame belongs to."""
 
 
 def payload_tag(room: int, seq: int) -> int:
@@ -60,7 +61,10 @@ def seal(body: bytes) -> bytes:
 
 
 def encode_frame(frame) -> bytes:
-    return seal(_encoder.encode(frame))
+    try:
+        return seal(_encoder.encode(frame))
+    except (msgspec.EncodeError, OverflowError, TypeError, ValueError) as e:
+        raise FrameEncodeError(f"{frame_kind(frame)} frame cannot be encoded: {type(e).__name__}: {e}") from None
 
 
 def decode_frame(data, metrics: DisaggMetrics | None = None):
@@ -123,7 +127,8 @@ class Link:
 
     # -- control frames ---------------------------------------------------------------------------
     async def send(self, frame) -> bool:
-        """False when the link is closed (the frame is then lost, as it would be on the wire)."""
+        """False when the link is closed (the frame is then lost, as it would be on the wire); raises
+        FrameEncodeError for a frame that cannot be encoded."""
         data = encode_frame(frame)
         decision = self._faults.on_send(frame_kind(frame)) if self._faults.frame_faults else None
         if decision is not None:

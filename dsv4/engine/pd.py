@@ -17,13 +17,13 @@ import msgspec
 import torch
 
 from dsv4.config import ServerArgs
-from dsv4.disagg.contracts import ExportedState
+from dsv4.disagg.contracts import ExportedState, RequestFailed
 from dsv4.disagg.decode import RemotePrefill
 from dsv4.disagg.faults import TransferFaults
 from dsv4.disagg.prefill import PrefillServer
 from dsv4.engine.engine import Engine
 from dsv4.engine.request import AdmissionError, Request
-from dsv4.protocol import PD_PROTOCOL_VERSION, Capabilities, GenerationRequest, StateRegion
+from dsv4.protocol import PD_PROTOCOL_VERSION, Capabilities, GenerationRequest, PrefillLimits, StateRegion
 
 
 def engine_for(args: ServerArgs):
@@ -49,16 +49,14 @@ def capabilities_of(engine: Engine) -> Capabilities:
     )
 
 
-class PrefillFailed(RuntimeError):
-    pass
-
-
 class EnginePrefillSource:
     """Computes a prompt in the local engine and copies its state out before release."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.capabilities = capabilities_of(engine)
+        self.limits = PrefillLimits(context_length=engine.max_context,
+                                    pool_tokens=engine.allocator.pages.capacity * engine.args.page_size)
 
     async def compute(self, rid, prompt_ids, sampling) -> ExportedState:
         pools = self.engine.runner.pools
@@ -72,9 +70,14 @@ class EnginePrefillSource:
 
         request = GenerationRequest(rid=rid, input_ids=tuple(prompt_ids),
                                     sampling=msgspec.structs.replace(sampling, max_new_tokens=1))
-        async for out in self.engine.submit(request, export_state=export):
+        try:
+            outputs = self.engine.submit(request, export_state=export)
+        except AdmissionError as e:  # the prompt is the cause: the client gets a 400
+            raise RequestFailed(str(e), 400) from None
+        async for out in outputs:
             if out.finished and not exported.done():
-                raise PrefillFailed(out.error or f"the prompt ended without state ({out.finish_reason})")
+                raise RequestFailed(out.error or f"the prompt ended without state ({out.finish_reason})",
+                                    out.error_status)
         return exported.result()
 
     def ready(self) -> tuple[bool, list[str]]:
@@ -166,6 +169,8 @@ class PdEngine:
         self.engine.check_request(req)
         if req.rid in self.side.transfers:
             raise AdmissionError(f"request id {req.rid!r} is already in use")
+        if (refusal := self.side.refusal(req)) is not None:
+            raise AdmissionError(refusal)  # before any transfer: every prefill peer's limits refuse it
         return self.side.submit(req)
 
     def abort(self, rid: str, reason: str = "client disconnected") -> None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from dsv4.disagg.contracts import ExportedState
 from dsv4.memory.allocator import PageSlotAllocator
-from dsv4.protocol import PD_PROTOCOL_VERSION, Capabilities, RequestOutput, StateRegion
+from dsv4.protocol import PD_PROTOCOL_VERSION, Capabilities, PrefillLimits, RequestOutput, StateRegion
 
 PAGE_SIZE = 128
 PAGE_BYTES = 24 * 1024  # above UCX's eager limit on TCP, so payloads go by rendezvous as real pages do
@@ -49,8 +49,9 @@ def expected_state(prompt_ids) -> ExportedState:
 
 
 class FakePrefillSource:
-    def __init__(self, compute_s: float = 0.0, **caps):
+    def __init__(self, compute_s: float = 0.0, context_length: int = 1 << 20, **caps):
         self.capabilities = capabilities(**caps)
+        self.limits = PrefillLimits(context_length=context_length, pool_tokens=1 << 20)
         self.compute_s = compute_s
         self.gate: asyncio.Event | None = None  # when set, computations wait for it
         self.running: set[str] = set()

@@ -10,8 +10,10 @@ import time
 from conftest import FAST, wait_until
 from pd_fakes import PAGE_SIZE, FakeDecodeTarget, FakePrefillSource, expected_state
 
-from dsv4.disagg.decode import DecodeState
+from dsv4.disagg.contracts import RequestFailed
+from dsv4.disagg.decode import RemotePrefill
 from dsv4.disagg.prefill import PrefillServer, PrefillState
+from dsv4.disagg.transfer import DecodeState
 from dsv4.protocol import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
@@ -124,23 +126,120 @@ async def test_abort_racing_the_commit_is_never_admitted(make_pair):
     await assert_no_leaks(pair)
 
 
-async def test_prefill_failure_is_sent_to_decode_and_names_the_peer(make_pair):
+async def assert_pair_still_serves(pair, count: int = 8, timeout: float = 5.0):
+    """Invariant 5: the failure was one request's; both sides stay ready and serve promptly."""
+    assert pair.decode.ready() == (True, []) and pair.prefill.ready() == (True, [])
+    assert not pair.decode.supervisor.deaths and not pair.prefill.supervisor.deaths
+    reqs = [request(f"after-{i}", 20 * i + 30) for i in range(count)]  # 30 .. 170: none of 100
+    started = time.monotonic()
+    results = await asyncio.gather(*(run(pair, r) for r in reqs))
+    assert all(served_correctly(pair, r, outs) for r, outs in zip(reqs, results))
+    assert time.monotonic() - started < timeout
+    await assert_no_leaks(pair)
+
+
+def failing_source(error: BaseException) -> FakePrefillSource:
     source = FakePrefillSource()
 
     async def broken(rid, prompt_ids, sampling):
-        raise RuntimeError("prefill engine out of memory")
+        if len(prompt_ids) == 100:
+            raise error
+        return await FakePrefillSource.compute(source, rid, prompt_ids, sampling)
 
     source.compute = broken
-    pair = await make_pair(source=source)
+    return source
+
+
+async def test_prefill_failure_is_sent_to_decode_and_names_the_peer(make_pair):
+    pair = await make_pair(source=failing_source(RuntimeError("prefill engine out of memory")))
     outs = await run(pair, request("p", 100))
-    assert outs[-1].finish_reason == "error"
+    assert outs[-1].finish_reason == "error" and outs[-1].error_status == 500
     assert "prefill engine out of memory" in outs[-1].error
     assert pair.decode.peers[0].addr in outs[-1].error
     await assert_no_leaks(pair)
     assert pair.decode.metrics.sample("dsv4_pd_aborts", origin="prefill") == 1
-    # A bug in the prefill's transfer task is a supervised death: the instance says so.
-    ready, reasons = pair.prefill.ready()
-    assert not ready and "prefill engine out of memory" in reasons[0]
+    # An unexpected exception while serving one room is that room's failure, counted, not the instance's.
+    assert pair.prefill.metrics.sample("dsv4_pd_request_task_errors", task="room") == 1
+    await assert_pair_still_serves(pair)
+
+
+async def test_a_prompt_the_prefill_refuses_gets_its_4xx_and_the_pair_stays_ready(make_pair):
+    # The prefill's advertised limits admit the prompt, but its engine refuses it (limits are a
+    # hint: the prefill's own check has the last word).
+    pair = await make_pair(source=failing_source(RequestFailed("prompt (100 tokens) exceeds the context limit", 400)))
+    outs = await run(pair, request("long", 100))
+    assert outs[-1].finish_reason == "error" and outs[-1].error_status == 400
+    assert "exceeds the context limit" in outs[-1].error
+    assert "long" not in pair.target.admitted
+    await assert_no_leaks(pair)
+    assert pair.prefill.metrics.sample("dsv4_pd_request_task_errors", task="room") == 0
+    await assert_pair_still_serves(pair)
+
+
+async def test_decode_refuses_before_any_transfer_a_prompt_no_prefill_can_take(make_pair):
+    pair = await make_pair(source=FakePrefillSource(context_length=200))
+    too_long = request("too-long", 200)  # 200 + the one token sampled there > 200
+    assert "context limit of 200 tokens" in pair.decode.refusal(too_long)
+    assert pair.decode.refusal(request("fits", 199)) is None
+    outs = await run(pair, too_long)  # submitted anyway: refused in bootstrapping, nothing allocated or sent
+    assert outs[-1].finish_reason == "error" and outs[-1].error_status == 400
+    assert pair.prefill.metrics.sample("dsv4_pd_transfers", outcome="committed") == 0
+    assert not pair.prefill.metrics.sample("dsv4_pd_aborts", origin="decode")
+    await assert_pair_still_serves(pair)
+
+
+async def test_decode_routes_a_prompt_only_to_a_prefill_that_can_take_it(make_pair):
+    pair = await make_pair(source=FakePrefillSource(context_length=200))
+    big = PrefillServer(FakePrefillSource(), timeouts=FAST)
+    await big.start()
+    decode = RemotePrefill(FakeDecodeTarget(), [f"127.0.0.1:{pair.prefill.port}", f"127.0.0.1:{big.port}"],
+                           timeouts=FAST)
+    await decode.start()
+    try:
+        await wait_until(lambda: all(p.usable for p in decode.peers), 10, "both peers")
+        long_ones = [request(f"long-{i}", 300 + i) for i in range(4)]
+        for outs in await asyncio.gather(*(_collect(decode, r) for r in long_ones)):
+            assert outs[-1].finish_reason == "length", outs[-1].error
+        assert big.metrics.sample("dsv4_pd_transfers", outcome="committed") == 4
+        assert pair.prefill.metrics.sample("dsv4_pd_transfers", outcome="committed") == 0
+    finally:
+        await decode.stop()
+        await big.stop()
+
+
+async def _collect(decode, req, timeout: float = 15.0):
+    async with asyncio.timeout(timeout):
+        return [o async for o in decode.submit(req)]
+
+
+async def test_an_unencodable_request_fails_alone_and_the_decode_stays_ready(make_pair):
+    pair = await make_pair()
+    # Bypasses the HTTP edge's validation: a seed msgpack cannot carry reaches the decode side.
+    bad = GenerationRequest(rid="huge-seed", input_ids=tuple(range(50)),
+                            sampling=SamplingParams(temperature=1.0, seed=1 << 70, max_new_tokens=4))
+    outs = await run(pair, bad)
+    assert outs[-1].finish_reason == "error" and outs[-1].error_status == 400
+    assert "cannot be encoded" in outs[-1].error
+    await assert_pair_still_serves(pair)
+
+
+async def test_requests_waiting_for_a_prefill_are_dispatched_when_one_comes_back(make_pair):
+    pair = await make_pair()
+    port = pair.prefill.port
+    await pair.prefill.stop()
+    await wait_until(lambda: not pair.decode.ready()[0], 5, "decode to report the lost peer")
+    waiting = [asyncio.ensure_future(run(pair, request(f"w{i}", 90 + i))) for i in range(3)]
+    await wait_until(lambda: len(pair.decode.transfers) == 3, 5, "the requests to wait")
+    assert all(t.state is DecodeState.BOOTSTRAPPING for t in pair.decode.transfers.values())
+    revived = PrefillServer(FakePrefillSource(), port=port, timeouts=FAST)
+    await revived.start()
+    try:
+        # Well within FAST.bootstrap (3 s): the peer's return wakes them; no new request is needed.
+        async with asyncio.timeout(2.0):
+            results = await asyncio.gather(*waiting)
+        assert all(outs[-1].finish_reason == "length" for outs in results), [o[-1].error for o in results]
+    finally:
+        await revived.stop()
 
 
 async def test_prefill_sending_deadline_fences_the_link_and_decode_recovers(make_pair):
@@ -153,15 +252,24 @@ async def test_prefill_sending_deadline_fences_the_link_and_decode_recovers(make
     await wait_until(lambda: pair.decode.ready()[0], 10, "decode to reconnect")
 
 
-async def test_kill_transfer_task_fault_fails_the_request_and_reports_not_ready(make_pair):
+async def test_kill_transfer_task_fault_fails_that_request_only(make_pair):
+    # The wedge this project exists to prevent: a prefill transfer task dying on something unexpected.
     pair = await make_pair(prefill_faults="kill:transfer_task")
     outs = await run(pair, request("k", 100))
     assert outs[-1].finish_reason == "error" and "kill:transfer_task" in outs[-1].error
-    assert not pair.prefill.ready()[0]
+    assert pair.prefill.metrics.sample("dsv4_pd_request_task_errors", task="room") == 1
     await assert_no_leaks(pair)
-    # The prefill instance says it is not ready and why; decode stops routing to it and says so.
+    await assert_pair_still_serves(pair)
+
+
+async def test_prefill_not_ready_stops_decode_routing_and_says_why(make_pair):
+    source = FakePrefillSource()
+    pair = await make_pair(source=source)
+    source.not_ready_reasons.append("engine tick loop died at tick 7")
     await wait_until(lambda: not pair.decode.ready()[0], 5, "decode to stop trusting the prefill peer")
-    assert "kill:transfer_task" in pair.decode.ready()[1][0]
+    assert "tick loop died" in pair.decode.ready()[1][0]
+    source.not_ready_reasons.clear()
+    await wait_until(lambda: pair.decode.ready()[0], 5, "decode to trust it again")
 
 
 async def test_request_deadline_in_every_waiting_state(make_pair):

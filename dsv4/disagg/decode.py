@@ -41,7 +41,7 @@ from dsv4.disagg.routing import PeerRouter
 from dsv4.disagg.staging import StagingPool
 from dsv4.disagg.supervisor import Supervisor
 from dsv4.disagg.transfer import STATE_TIMEOUT, ClientAbort, DecodeState, DecodeTransfer, Received, TransferFailed
-from dsv4.disagg.transport import FrameEncodeError, Link, frame_kind, prompt_checksum
+from dsv4.disagg.transport import FrameEncodeError, Link, frame_kind, prompt_checksum, valid_tag
 from dsv4.protocol import (
     Abort,
     AbortAck,
@@ -469,7 +469,7 @@ class RemotePrefill:
         stalling its room; the body lands in a throwaway buffer. A body that never comes keeps its
         receive posted until the link closes, so at most MAX_DISCARDING are allowed at once."""
         caps = self.target.capabilities
-        if h.nbytes not in (caps.page_bytes, caps.slot_bytes):
+        if h.nbytes not in (caps.page_bytes, caps.slot_bytes) or not valid_tag(h.room, h.seq):
             return  # not a body a peer could have sent us
         if self._discarding >= MAX_DISCARDING:
             link.fence(f"more than {MAX_DISCARDING} payloads for unknown rooms in flight")

@@ -43,8 +43,12 @@ class FrameEncodeError(ValueError):
     64 bits): the failure of the one request the frame belongs to."""
 
 
+def valid_tag(room: int, seq: int) -> bool:
+    return 0 <= room < MAX_ROOM and 0 <= seq < 1 << SEQ_BITS
+
+
 def payload_tag(room: int, seq: int) -> int:
-    if not (0 <= room < MAX_ROOM and 0 <= seq < 1 << SEQ_BITS):
+    if not valid_tag(room, seq):
         raise ValueError(f"room {room} / seq {seq} out of tag range")
     return (room << SEQ_BITS) | seq
 

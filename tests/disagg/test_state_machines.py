@@ -413,3 +413,68 @@ async def test_abort_storm_leaves_nothing_behind(make_pair):
     reqs = [request(f"after-{i}", 64 * (i + 1)) for i in range(16)]
     results = await asyncio.gather(*(run(pair, r) for r in reqs))
     assert all(served_correctly(pair, r, outs) for r, outs in zip(reqs, results))
+
+
+async def test_receives_that_never_end_do_not_hold_pages_for_ever(make_pair):
+    pair = await make_pair(prefill_faults="delay:payload:1.0:100ms")
+    link = pair.decode.peers[0].link
+
+    async def never_ends(room, seq, out):  # as if UCX never completed the receive, even when fenced
+        await asyncio.Event().wait()
+
+    link.recv_payload = never_ends
+    outs = await run(pair, request("q", 2 * PAGE_SIZE))
+    assert outs[-1].finish_reason == "error"  # a deadline, or the prefill fencing its unmatched send
+    # Fenced, then bounded: the pages and slot come back; the staging buffers are never reused.
+    await wait_until(lambda: not pair.decode.transfers, 4 * FAST.lease + 3, "the lease to end")
+    assert pair.target.leaked() == {} and pair.decode.staging.in_use == 0
+    assert pair.decode.staging.abandoned >= 1
+    await wait_until(lambda: pair.decode.ready()[0], 10, "decode to reconnect")
+
+
+async def test_pages_are_not_released_while_an_install_copy_may_still_run(make_pair):
+    target = FakeDecodeTarget()
+    copying, may_finish = asyncio.Event(), asyncio.Event()
+    install, release = target.install, target.release
+    events = []
+
+    async def slow_install(*args):
+        copying.set()
+        await may_finish.wait()  # as a copy on the forward thread: cancelling the awaiter does not stop it
+        events.append("copied")
+        return await install(*args)
+
+    async def recorded_release(pages, slot):
+        events.append("released")
+        await release(pages, slot)
+
+    target.install, target.release = slow_install, recorded_release
+    pair = await make_pair(target=target)
+    task = asyncio.ensure_future(run(pair, request("i", 300)))
+    await asyncio.wait_for(copying.wait(), 5)
+    stopping = asyncio.ensure_future(pair.decode.stop())  # shutdown cancels the transfer mid-copy
+    await asyncio.sleep(0.2)
+    assert events == []
+    may_finish.set()
+    await asyncio.wait_for(stopping, 5)
+    outs = await task
+    assert outs[-1].finish_reason == "error" and outs[-1].error_status == 503
+    assert events == ["copied", "released"] and target.leaked() == {}
+
+
+async def test_a_transfer_stuck_past_its_deadline_makes_decode_not_ready(make_pair):
+    target = FakeDecodeTarget()
+    never = asyncio.Event()
+
+    async def stuck_install(*args):
+        await never.wait()
+
+    target.install = stuck_install
+    pair = await make_pair(target=target)
+    outs = await run(pair, request("s", 100))
+    assert outs[-1].finish_reason == "error" and "copy into the pools" in outs[-1].error
+    await wait_until(lambda: not pair.decode.ready()[0], 4 * FAST.lease + 3, "the stuck transfer to be reported")
+    assert "stuck in state failed" in pair.decode.ready()[1][-1]
+    never.set()
+    await pair.settle()
+    assert pair.decode.ready()[0] and pair.target.leaked() == {}

@@ -27,19 +27,21 @@ from dsv4.protocol import (
     Hello,
     HelloAck,
     PayloadHeader,
+    PrefillLimits,
     PrefillRequest,
     SamplingParams,
 )
 
 FRAMES = [
     Hello(instance_id="d1", role="decode", capabilities=capabilities()),
-    HelloAck(instance_id="p1", accepted=False, error="no", capabilities=capabilities()),
+    HelloAck(instance_id="p1", accepted=True, capabilities=capabilities(),
+             limits=PrefillLimits(context_length=4096, pool_tokens=8192)),
     PrefillRequest(room=7, rid="r", prompt_ids=(1, 2, 3), sampling=SamplingParams(temperature=0.0),
                    pages=(Destination(3, 9),), slot=Destination(1, 2), timeout_s=4.5, verify=True),
     PayloadHeader(room=7, seq=0, target="page", index=0, generation=9, nbytes=10, checksum=123),
     Commit(room=7, page_generations=(9,), slot_generation=2, first_token=5, num_payloads=2, prompt_checksum=3,
            page_checksums=(1,), slot_checksum=2),
-    Abort(room=7, reason="why"),
+    Abort(room=7, reason="why", status=400),
     AbortAck(room=7),
     Drain(room=7),
     DrainAck(room=7),

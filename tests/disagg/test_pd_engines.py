@@ -139,3 +139,22 @@ async def test_an_unencodable_seed_fails_that_request_only(make_pd):
     outs = await outputs_of(decode.submit(request("seed", 30, temperature=1.0, seed=1 << 70)))
     assert outs[-1].finish_reason == "error" and outs[-1].error_status == 400
     await assert_still_serving(prefill, decode, "seed")
+
+
+async def test_seeded_sampling_in_pd_equals_colocated(make_pd, tiny_ckpt):
+    """The prefill samples the first token, the decode side the rest: with sampling a function of
+    (seed, position), a seeded request continues exactly as it would on one engine."""
+    prefill, decode = await make_pd()
+    colocated, _ = engine_of(tiny_ckpt)
+    await colocated.start()
+    try:
+        reqs = [request(f"seeded-{i}", 30 + 40 * i, temperature=0.9, top_k=50, seed=1234 + i, max_new_tokens=8)
+                for i in range(4)]
+        pd = await asyncio.gather(*(outputs_of(decode.submit(r)) for r in reqs))
+        alone = await asyncio.gather(*(outputs_of(colocated.submit(r)) for r in reqs))
+    finally:
+        await colocated.stop()
+    for got, want in zip(pd, alone):
+        tokens = [t for o in got for t in o.token_ids]
+        assert got[-1].finish_reason == "length" and len(tokens) == 8
+        assert tokens == [t for o in want for t in o.token_ids]

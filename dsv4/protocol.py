@@ -61,9 +61,11 @@ class TickPlan(msgspec.Struct, frozen=True, kw_only=True):
     batch: ForwardBatch
     # Releases since the previous plan, so that the sequence of plans records every change of
     # ownership: `finished` requests ended by sampling in the previous tick; `aborted` ones
-    # (aborts, deadlines, page shortage) were released at this tick's boundary, before its forward.
+    # (aborts, deadlines, errors) were released at this tick's boundary, before its forward, and so
+    # were `retracted` ones (preempted for pages: queued again, to recompute their rows later).
     finished: tuple[str, ...] = ()
     aborted: tuple[str, ...] = ()
+    retracted: tuple[str, ...] = ()
 
 
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):

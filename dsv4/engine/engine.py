@@ -229,7 +229,8 @@ class Engine:
                 f"tick {self._ticks_done + 1} has not completed in {stalled:.1f} s with work pending "
                 f"(--tick-stall-timeout {self.args.tick_stall_timeout:g} s)"
             )
-        arrivals = [r.arrival for r in self.scheduler.waiting] + [r.arrival for r in self._ticker.inbox.requests]
+        # A retracted request's wait counts from its retraction: its time running is not queueing.
+        arrivals = [r.waiting_since for r in self.scheduler.waiting] + [r.arrival for r in self._ticker.inbox.requests]
         if arrivals and now - min(arrivals) > self.args.max_queue_wait:
             reasons.append(
                 f"the oldest waiting request has waited {now - min(arrivals):.1f} s "

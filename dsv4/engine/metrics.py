@@ -15,7 +15,10 @@ class EngineMetrics:
         r = self.registry
         self.running_requests = Gauge("dsv4_running_requests", "Requests holding a slot", registry=r)
         self.waiting_requests = Gauge("dsv4_waiting_requests", "Requests queued for admission", registry=r)
-        self.prompt_tokens = Counter("dsv4_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter(
+            "dsv4_prompt_tokens", "Prompt tokens of requests whose prefill completed (a recompute counts once)",
+            registry=r,
+        )
         self.generation_tokens = Counter("dsv4_generation_tokens", "Tokens generated", registry=r)
         self.time_to_first_token = Histogram(
             "dsv4_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
@@ -28,6 +31,9 @@ class EngineMetrics:
             "dsv4_e2e_request_latency_seconds", "Arrival to last output", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.ticks = Counter("dsv4_ticks", "Ticks run", registry=r)
+        self.preemptions = Counter(
+            "dsv4_preemptions", "Running requests retracted for KV pages, to be recomputed and resumed", registry=r
+        )
         self.tick_duration = Histogram(
             "dsv4_tick_duration_seconds", "Plan, forward, sample and deliver of one tick",
             buckets=_TOKEN_INTERVAL_BUCKETS, registry=r,

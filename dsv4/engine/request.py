@@ -15,7 +15,7 @@ class AdmissionError(ValueError):
 
 
 class RequestState(enum.Enum):
-    WAITING = "waiting"  # queued; holds nothing
+    WAITING = "waiting"  # queued (new, or retracted with its generated tokens); holds nothing
     RUNNING = "running"  # holds a slot and the pages for every token it has fed
     FINISHED = "finished"  # holds nothing; its last output has been (or is being) delivered
 
@@ -32,6 +32,10 @@ class Request:
     pages: list[Handle] = field(default_factory=list)
     slot: Handle | None = None
     num_computed: int = 0  # tokens whose rows are in the pools
+    arrival_index: int = -1  # place in arrival order, given by the scheduler
+    retractions: int = 0  # times preempted for pages (its rows dropped, to be recomputed)
+    last_retraction: str | None = None  # why, the last time
+    retracted_at: float | None = None  # engine clock: when it last went back to the queue
     first_token_at: float | None = None
     last_token_at: float | None = None
     finish_reason: str | None = None
@@ -50,7 +54,13 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
+        """Rows are missing before the last token: a prompt, or after a retraction the prompt and
+        generated tokens, still being computed. A decode feeds only its last token."""
+        return self.num_computed < self.num_tokens - 1
+
+    @property
+    def waiting_since(self) -> float:
+        return self.arrival if self.retracted_at is None else self.retracted_at
 
     def token_at(self, position: int) -> int:
         n = len(self.prompt_ids)
@@ -66,6 +76,8 @@ class Request:
             "age_s": round(now - self.arrival, 3),
             "deadline_in_s": round(self.deadline - now, 3),
             "last_event": self.last_event,
+            "retractions": self.retractions,
+            "last_retraction": self.last_retraction,
             "indexer_mismatches": self.indexer_mismatches,
             "last_indexer_mismatch": self.last_indexer_mismatch,
         }

@@ -1,8 +1,10 @@
 """Token sampling over a batch of logits, and the token-level stop rules.
 
 Non-greedy rows sample by the exponential race (argmax of p / E with E ~ Exp(1)), which draws
-exactly from p and lets each request's noise come from its own seeded generator: a seeded
-request's tokens do not depend on what else is in the batch.
+exactly from p and lets each seeded request's noise come from a generator of its own, seeded with
+a hash of (seed, position of the token being sampled): a seeded request's tokens depend neither on
+what else is in the batch nor on how its tokens were computed (a retracted request recomputes
+its rows and must continue exactly as it would have).
 """
 
 from __future__ import annotations
@@ -11,28 +13,41 @@ import torch
 
 from dsv4.protocol import SamplingParams
 
-
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    if params.seed is None or params.greedy:
-        return None
-    gen = torch.Generator()
-    gen.manual_seed(params.seed)
-    return gen
+_MASK64 = 2**64 - 1
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
-    """One token id per row of float `logits` [batch, vocab]; `generators[i]` None uses torch's
-    default generator."""
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """The generator seed of the token at `position` of a request seeded with `seed`: in [0, 2**64),
+    the range torch.Generator.manual_seed takes."""
+    return _splitmix64((_splitmix64(seed & _MASK64) + position) & _MASK64)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+    """One token id per row of float `logits` [batch, vocab]; `positions[i]` is where row i's token
+    will stand in its sequence. Unseeded rows draw from torch's default generator."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        tokens[rows] = _sample_rows(logits[rows].float(), [params[i] for i in rows], [generators[i] for i in rows])
+        generators = [_generator(params[i], positions[i]) for i in rows]
+        tokens[rows] = _sample_rows(logits[rows].float(), [params[i] for i in rows], generators)
     return tokens.tolist()
 
 
-def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+def _generator(params: SamplingParams, position: int) -> torch.Generator | None:
+    if params.seed is None:
+        return None
+    return torch.Generator().manual_seed(noise_seed(params.seed, position))
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> torch.Tensor:
     vocab = logits.shape[1]
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])

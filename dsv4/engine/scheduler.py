@@ -1,12 +1,31 @@
-"""Continuous batching with chunked prefill (torch-free, pure: no clock, no I/O).
+"""Continuous batching with chunked prefill and preemption by retraction (torch-free, pure: no
+clock, no I/O).
 
-Each tick has a token budget (`--chunked-prefill-size`). Running decodes take one token each and
-always run; what is left goes to prefill chunks, first to requests already prefilling, then to
-new admissions in strict arrival order (FCFS: the head of the queue is never overtaken, so a
-large prompt cannot starve). A request is admitted when a slot and the pages for its whole prompt
-are free; a decode grows its page table when it crosses a page boundary. There is no preemption:
-when decodes need pages and none are free, the youngest running requests are aborted with an
-error until the older ones fit, so the engine never wedges.
+Budget. Each tick has a token budget (`--chunked-prefill-size`). Running decodes take one token
+each and always run; what is left goes to prefill chunks, first to requests already prefilling,
+then to admissions in arrival order (FCFS: the head of the queue is never overtaken, so a large
+prompt cannot starve).
+
+Admission. A request is admitted when a slot is free and the free pages cover its rows plus a
+reserve for growth: ceil(ratio x the pages that the running requests and itself still need to
+reach max_new_tokens), each request counted for at most RESERVE_CLIP_TOKENS more tokens (the chat
+route's default max_tokens is the rest of the context). `ratio` is SGLang's new-token ratio:
+requests usually stop before max_new_tokens, so it starts at INIT_RATIO and decays by RATIO_DECAY
+each tick down to MIN_RATIO, admitting more while the bet keeps winning. A retraction (a lost bet)
+puts it back to 1, where admission waits until every running request could finish; an empty batch
+puts it back to INIT_RATIO.
+
+Retraction. A decode grows its page table when it crosses a page boundary. When the decodes of a
+tick need more pages than are free, decodes are retracted, youngest arrival first, until the rest
+fit: their pages and slot are freed and they go back to the waiting queue at their arrival place,
+which is ahead of every request that has never run, keeping their generated tokens. Re-admitted,
+a request recomputes prompt + generated tokens as a chunked prefill whose last chunk samples its
+next new token, so it continues as it would have (sampling noise is a function of (seed,
+position): sampling.py). Only decodes are retracted, and a decode has sampled a token since it was
+last admitted, so every retraction follows progress (no livelock); retracting every decode would
+remove every need for a page, so retraction always succeeds. Memory pressure never fails a
+request: every request fits the pool alone (check_admissible), and the queue's head is the oldest
+waiting request, admitted at the latest when the running requests are done.
 
 On rank 0, deciding a plan and applying its allocations are one step: the allocator is rank 0's
 record of ownership, and the plan names every (page, generation) it hands out, which is all any
@@ -15,11 +34,17 @@ other party (the runner's pools, follower ranks) needs to apply it.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from dsv4.engine.request import AdmissionError, Request, RequestState
 from dsv4.memory.allocator import PageSlotAllocator
 from dsv4.protocol import ForwardBatch, ForwardChunk, SamplingParams, TickPlan
+
+INIT_RATIO = 0.7
+MIN_RATIO = 0.1
+RATIO_DECAY = (INIT_RATIO - MIN_RATIO) / 600  # per tick
+RESERVE_CLIP_TOKENS = 4096
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -38,10 +63,13 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order, oldest first
         self._by_rid: dict[str, Request] = {}
         self._seq = 0
+        self._arrivals = 0
+        self.new_token_ratio = INIT_RATIO
         # Released since the last plan; the next plan reports them so the plan log is a complete
         # record of ownership changes.
         self._finished_since_plan: list[str] = []
         self._aborted_since_plan: list[str] = []
+        self._retracted_since_plan: list[str] = []
 
     # -- queries ------------------------------------------------------------------------------------
     @property
@@ -70,23 +98,27 @@ class Scheduler:
                 f"top_k {sampling.top_k} (-1 or >= 1)"
             )
         total = prompt_len + max_new_tokens
+        pool_tokens = self.allocator.pages.capacity * self.page_size
         if total > self.max_context:
+            limit = " (the KV pool, --max-total-tokens)" if self.max_context == pool_tokens else ""
             raise AdmissionError(
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
-                f"context limit of {self.max_context} tokens"
+                f"context limit of {self.max_context} tokens{limit}"
             )
         # Decoding writes the row of every token but the last sampled one.
         need = pages_for(total - 1, self.page_size)
         if need > self.allocator.pages.capacity:
             raise AdmissionError(
-                f"the request needs up to {need} KV pages of {self.page_size} tokens; the pool has "
-                f"{self.allocator.pages.capacity} (--max-total-tokens)"
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) needs up to {need} KV pages of "
+                f"{self.page_size} tokens; the pool has {self.allocator.pages.capacity} ({pool_tokens} tokens, "
+                f"--max-total-tokens)"
             )
 
     def add(self, req: Request) -> None:
         if req.rid in self._by_rid:
             raise AdmissionError(f"request id {req.rid!r} is already in use")
         self.check_admissible(len(req.prompt_ids), req.sampling)
+        self._number(req)
         self.waiting.append(req)
         self._by_rid[req.rid] = req
 
@@ -98,6 +130,7 @@ class Scheduler:
         req.state = RequestState.RUNNING
         req.num_computed = len(req.prompt_ids)
         req.last_event = "adopted after transfer"
+        self._number(req)
         self.running.append(req)
         self._by_rid[req.rid] = req
 
@@ -117,10 +150,9 @@ class Scheduler:
         self._finished_since_plan.append(req.rid)
 
     # -- the decision of one tick -------------------------------------------------------------------
-    def schedule(self) -> tuple[TickPlan, list[Request]]:
-        """Decides the next tick and records its allocations; returns the plan and the requests it
-        aborted for lack of pages (already released, with their error set)."""
-        victims = self._make_room_for_decodes()
+    def schedule(self) -> TickPlan:
+        """Decides the next tick and records its allocations and retractions."""
+        self._make_room_for_decodes()
         decodes = [r for r in self.running if not r.prefilling]
         for req in decodes:
             missing = pages_for(req.num_tokens, self.page_size) - len(req.pages)
@@ -131,56 +163,87 @@ class Scheduler:
         for req in [r for r in self.running if r.prefilling]:
             if budget == 0:
                 break
-            n = min(len(req.prompt_ids) - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, budget)
             chunks.append(self._chunk(req, req.num_computed, n))
             budget -= n
         while budget > 0 and self.waiting and self._admit(self.waiting[0]):
             req = self.waiting.popleft()
-            n = min(len(req.prompt_ids), budget)
+            n = min(req.num_tokens, budget)
             chunks.append(self._chunk(req, 0, n))
             budget -= n
+        if self.running:
+            self.new_token_ratio = max(MIN_RATIO, self.new_token_ratio - RATIO_DECAY)
+        else:
+            self.new_token_ratio = INIT_RATIO
         self._seq += 1
         plan = TickPlan(
             seq=self._seq,
             batch=ForwardBatch(tick=self._seq, chunks=tuple(chunks)),
             finished=tuple(self._finished_since_plan),
             aborted=tuple(self._aborted_since_plan),
+            retracted=tuple(self._retracted_since_plan),
         )
         self._finished_since_plan.clear()
         self._aborted_since_plan.clear()
-        return plan, victims
+        self._retracted_since_plan.clear()
+        return plan
 
-    def _make_room_for_decodes(self) -> list[Request]:
-        victims = []
+    def _make_room_for_decodes(self) -> None:
         while True:
             short = sum(
                 1 for r in self.running if not r.prefilling and len(r.pages) < pages_for(r.num_tokens, self.page_size)
             )
-            if short <= self.allocator.pages.num_free:
-                return victims
-            youngest = self.running[-1]
-            self.abort(
-                youngest.rid,
-                f"out of KV cache pages: {short} running decodes need a new page and {self.allocator.pages.num_free} "
-                f"of {self.allocator.pages.capacity} are free; aborted the youngest running request",
-                finish_reason="error",
-            )
-            victims.append(youngest)
+            free = self.allocator.pages.num_free
+            if short <= free:
+                return
+            # Decodes only: each has sampled a token since it was (re)admitted.
+            victim = max((r for r in self.running if not r.prefilling), key=lambda r: r.arrival_index)
+            self._retract(victim, f"{short} running decodes needed a new KV page and {free} of "
+                                  f"{self.allocator.pages.capacity} were free")
+
+    def _retract(self, req: Request, reason: str) -> None:
+        self._free_resources(req)
+        self.running.remove(req)
+        req.state = RequestState.WAITING
+        req.num_computed = 0
+        req.retractions += 1
+        req.last_retraction = reason
+        req.last_event = f"retracted after {len(req.output_ids)} tokens: {reason}"
+        # Its arrival place; every request behind it arrived later, or it would have been admitted first.
+        place = next((i for i, r in enumerate(self.waiting) if r.arrival_index > req.arrival_index), len(self.waiting))
+        self.waiting.insert(place, req)
+        self._retracted_since_plan.append(req.rid)
+        self.new_token_ratio = 1.0
 
     def _admit(self, req: Request) -> bool:
-        need = pages_for(len(req.prompt_ids), self.page_size)
-        if self.allocator.slots.num_free == 0 or self.allocator.pages.num_free < need:
+        need = pages_for(req.num_tokens, self.page_size)
+        if self.allocator.slots.num_free == 0 or self.allocator.pages.num_free < need + self._reserve(req):
             return False
         (req.slot,) = self.allocator.slots.allocate(req.rid)
         req.pages = self.allocator.pages.allocate(req.rid, need)
         req.state = RequestState.RUNNING
-        req.last_event = "admitted"
+        req.last_event = "readmitted" if req.retractions else "admitted"
         self.running.append(req)
         return True
 
+    def _reserve(self, new: Request) -> int:
+        """Pages kept free, when admitting `new`, for the growth of the running requests and its own."""
+        growth = sum(self._growth_pages(r, len(r.pages)) for r in self.running)
+        growth += self._growth_pages(new, pages_for(new.num_tokens, self.page_size))
+        return math.ceil(self.new_token_ratio * growth)
+
+    def _growth_pages(self, req: Request, held: int) -> int:
+        more = min(req.sampling.max_new_tokens - len(req.output_ids), RESERVE_CLIP_TOKENS)
+        # The rows of every token but the last sampled one.
+        return max(0, pages_for(req.num_tokens - 1 + more, self.page_size) - held)
+
     def _chunk(self, req: Request, start: int, n: int) -> ForwardChunk:
+        decode = not req.prefilling and req.num_computed > 0
         req.num_computed = start + n
-        req.last_event = f"decode@{start}" if start >= len(req.prompt_ids) else f"prefill {start}..{start + n}"
+        if decode:
+            req.last_event = f"decode@{start}"
+        else:
+            req.last_event = f"{'recompute' if req.retractions else 'prefill'} {start}..{start + n}"
         return ForwardChunk(
             rid=req.rid,
             slot=req.slot.id,
@@ -189,17 +252,24 @@ class Scheduler:
             token_ids=tuple(req.token_at(p) for p in range(start, start + n)),
             page_ids=tuple(h.id for h in req.pages),
             page_generations=tuple(h.generation for h in req.pages),
-            sample=req.num_computed >= len(req.prompt_ids),  # a prompt's last chunk, or a decode
+            sample=req.num_computed == req.num_tokens,  # the last chunk of a prefill or recompute, or a decode
         )
 
-    def _release(self, req: Request, finish_reason: str, error: str | None) -> None:
+    def _free_resources(self, req: Request) -> None:
         for handle in req.pages:
             self.allocator.pages.free(handle)
         if req.slot is not None:
             self.allocator.slots.free(req.slot)
+        req.pages, req.slot = [], None
+
+    def _number(self, req: Request) -> None:
+        req.arrival_index = self._arrivals
+        self._arrivals += 1
+
+    def _release(self, req: Request, finish_reason: str, error: str | None) -> None:
+        self._free_resources(req)
         if req.state is RequestState.RUNNING:
             self.running.remove(req)
-        req.pages, req.slot = [], None
         req.state = RequestState.FINISHED
         req.finish_reason, req.error = finish_reason, error
         req.last_event = f"finished: {finish_reason}"

@@ -29,7 +29,7 @@ from dsv4.config import FaultInjection
 from dsv4.engine.metrics import EngineMetrics
 from dsv4.engine.output import TextStream
 from dsv4.engine.request import Request
-from dsv4.engine.sampling import make_generator, sample, stop_reason
+from dsv4.engine.sampling import sample, stop_reason
 from dsv4.engine.scheduler import Scheduler
 from dsv4.model.indexer_check import IndexerVerifier
 from dsv4.protocol import RequestOutput, SamplingParams, TickPlan
@@ -91,10 +91,9 @@ class Inbox:
 
 
 class _Decoding:
-    """A live request's sampling and text state."""
+    """A live request's text state; it survives a retraction, as the text already delivered does."""
 
     def __init__(self, req: Request, detokenizer) -> None:
-        self.generator = make_generator(req.sampling)
         self.text = TextStream(detokenizer, req.sampling.stop, req.sampling.hidden_token_ids)
 
 
@@ -146,9 +145,10 @@ class Ticker:
                     req.rid, f"deadline exceeded after {started - req.arrival:.1f} s", finish_reason="error"
                 )
                 self._end(req, started)
-        plan, victims = self.scheduler.schedule()
-        for req in victims:
-            self._end(req, started)
+        plan = self.scheduler.schedule()
+        for rid in plan.retracted:
+            self.scheduler.get(rid).retracted_at = started
+        self._metrics.preemptions.inc(len(plan.retracted))
         if plan.batch.chunks:
             tokens, indexer_check = await self._forward_and_sample(plan)
             self._postprocess(plan, tokens, indexer_check, self._clock())
@@ -190,8 +190,8 @@ class Ticker:
     async def _forward_and_sample(self, plan: TickPlan) -> tuple[list[int], IndexerVerifier | None]:
         sampled = [self.scheduler.get(c.rid) for c in plan.batch.chunks if c.sample]
         params = [r.sampling for r in sampled]
-        generators = [self._decoding[r.rid].generator for r in sampled]
-        work = asyncio.get_running_loop().run_in_executor(self._executor, self._run, plan, params, generators)
+        positions = [r.num_tokens for r in sampled]  # where each sampled token will stand
+        work = asyncio.get_running_loop().run_in_executor(self._executor, self._run, plan, params, positions)
         try:
             async with asyncio.timeout(self._forward_deadline):
                 return await work
@@ -201,7 +201,7 @@ class Ticker:
             ) from None
 
     def _run(self, plan: TickPlan, params: list[SamplingParams],
-             generators: list) -> tuple[list[int], IndexerVerifier | None]:
+             positions: list[int]) -> tuple[list[int], IndexerVerifier | None]:
         """The sampled tokens, and the runner's indexer check of this forward (None when not verified)."""
         if plan.seq == self._faults.stall_at_tick:
             time.sleep(self._faults.stall_seconds)
@@ -212,7 +212,7 @@ class Ticker:
             if logits.shape[0] != len(params):
                 raise TickFailed(f"runner returned {logits.shape[0]} rows of logits for {len(params)} sampled chunks")
             indexer_check = self.runner.indexer_check if self._verify_indexer != "off" else None
-            return sample(logits, params, generators), indexer_check
+            return sample(logits, params, positions), indexer_check
 
     # -- delivery (event loop) --------------------------------------------------------------------------
     def _postprocess(self, plan: TickPlan, tokens: list[int], indexer_check: IndexerVerifier | None,
@@ -222,8 +222,6 @@ class Ticker:
         sampled = iter(tokens)
         for chunk in plan.batch.chunks:
             req = self.scheduler.get(chunk.rid)
-            if chunk.start_pos < len(req.prompt_ids):
-                metrics.prompt_tokens.inc(len(chunk.token_ids))
             token = next(sampled) if chunk.sample else None
             if chunk.rid in failed:
                 self.scheduler.abort(chunk.rid, failed[chunk.rid], finish_reason="error")
@@ -233,7 +231,8 @@ class Ticker:
                 continue
             req.output_ids.append(token)
             metrics.generation_tokens.inc()
-            if req.first_token_at is None:
+            if req.first_token_at is None:  # counted once: a retracted request recomputes its prompt
+                metrics.prompt_tokens.inc(len(req.prompt_ids))
                 req.first_token_at = now
                 metrics.time_to_first_token.observe(now - req.arrival)
             else:

@@ -1,6 +1,6 @@
 import torch
 
-from dsv4.engine.sampling import make_generator, sample, stop_reason
+from dsv4.engine.sampling import noise_seed, sample, stop_reason
 from dsv4.protocol import SamplingParams
 
 VOCAB = 50
@@ -13,47 +13,62 @@ def logits(batch=4, seed=0):
 def test_greedy_is_argmax():
     x = logits()
     params = [SamplingParams(temperature=0.0)] * 4
-    assert sample(x, params, [None] * 4) == x.argmax(-1).tolist()
+    assert sample(x, params, [0] * 4) == x.argmax(-1).tolist()
 
 
 def test_top_k_one_is_greedy_at_any_temperature():
     x = logits()
     params = [SamplingParams(temperature=5.0, top_k=1)] * 4
-    assert sample(x, params, [None] * 4) == x.argmax(-1).tolist()
+    assert sample(x, params, [0] * 4) == x.argmax(-1).tolist()
 
 
 def test_seeded_requests_reproduce_whatever_the_batch():
     x = logits(batch=3)
     seeded = SamplingParams(temperature=1.0, seed=1234)
-    gen = make_generator(seeded)
-    alone = [sample(x[:1], [seeded], [gen])[0] for _ in range(20)]
-    gen = make_generator(seeded)
+    alone = [sample(x[:1], [seeded], [p])[0] for p in range(20)]
     neighbours = [seeded, SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)]
-    in_batch = [sample(x, neighbours, [gen, None, None])[0] for _ in range(20)]
+    in_batch = [sample(x, neighbours, [p, p + 1, 7])[0] for p in range(20)]
     assert alone == in_batch
     assert len(set(alone)) > 1  # it does sample
+
+
+def test_seeded_noise_is_a_function_of_seed_and_position_only():
+    """A retracted request samples its next token again after a recompute: same (seed, position),
+    same token, whatever was drawn in between."""
+    x = logits(batch=1)
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    forward = [sample(x, [seeded], [p])[0] for p in range(100, 140)]
+    backward = [sample(x, [seeded], [p])[0] for p in reversed(range(100, 140))][::-1]
+    assert forward == backward
+    other_seed = [sample(x, [SamplingParams(temperature=1.0, seed=8)], [p])[0] for p in range(100, 140)]
+    assert other_seed != forward
+
+
+def test_noise_seeds_are_in_the_generator_range_for_any_seed():
+    seeds = {noise_seed(seed, p) for seed in (0, 1, -1, 2**62, -(2**63)) for p in (0, 1, 2**40)}
+    assert len(seeds) == 15 and all(0 <= s < 2**64 for s in seeds)
+    for s in seeds:
+        torch.Generator().manual_seed(s)
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     params = [SamplingParams(temperature=1.0, top_p=0.8, seed=0)]
-    gen = make_generator(params[0])
-    seen = {sample(probs.log(), params, [gen])[0] for _ in range(300)}
+    seen = {sample(probs.log(), params, [p])[0] for p in range(300)}
     assert seen == {0, 1}  # 0.5 + 0.3 reaches 0.8; tokens 2 and 3 are cut
 
 
 def test_sampling_follows_the_distribution():
     torch.manual_seed(0)  # unseeded requests draw from torch's default generator
     probs = torch.tensor([0.7, 0.2, 0.1])
-    draws = sample(probs.log().expand(4000, 3), [SamplingParams(temperature=1.0)] * 4000, [None] * 4000)
+    draws = sample(probs.log().expand(4000, 3), [SamplingParams(temperature=1.0)] * 4000, [0] * 4000)
     assert torch.allclose(torch.bincount(torch.tensor(draws), minlength=3) / 4000.0, probs, atol=0.03)
 
 
 def test_top_k_limits_the_candidates():
     x = logits(batch=1)
     params = [SamplingParams(temperature=10.0, top_k=3, seed=9)]
-    gen = make_generator(params[0])
-    seen = {sample(x, params, [gen])[0] for _ in range(200)}
+    seen = {sample(x, params, [p])[0] for p in range(200)}
     assert seen <= set(x[0].topk(3).indices.tolist()) and len(seen) == 3
 
 

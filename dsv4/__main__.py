@@ -41,8 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
     from dsv4.engine.pd import engine_for  # a plain Engine unless --disaggregation-mode says otherwise
     from dsv4.server.app import run_server
 
-    run_server(engine_for(server_args), server_args)
-    return 0
+    return run_server(engine_for(server_args), server_args)
 
 
 def _add_serve(commands) -> None:

@@ -11,6 +11,7 @@ reasoning and tool-call parsers read them.
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 from pathlib import Path
 
@@ -100,6 +101,17 @@ class Tokenizer:
         """Token ids of `text`; special tokens written in the text become their single ids."""
         ids = self.inner.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos else ids
+
+    def encode_without_gil(self, text: str) -> list[int]:
+        """`encode(text)` for a worker thread: the batch entry point of `tokenizers` releases the GIL
+        while it works (the single one does not), so the event loop keeps turning."""
+        return self.inner.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token stands for: a text of n characters has at least
+        n / max_token_bytes tokens, a bound known before tokenising."""
+        return max(len(b) for b in self._full)
 
     def stream_bytes(self, token_id: int) -> bytes:
         """The bytes one generated id adds to the output text (none for special or unknown ids)."""

@@ -40,6 +40,9 @@ class ServerArgs:
     request_timeout: float = 600.0  # default deadline of a request, seconds
     tick_stall_timeout: float = 5.0  # not ready when ticks stop advancing with work pending this long
     max_queue_wait: float = 60.0  # not ready when the oldest waiting request is older than this
+    shutdown_timeout: float = 10.0  # SIGTERM/SIGINT: in-flight requests may finish within this, seconds
+    timeout_keep_alive: float = 5.0  # an idle connection, or one still sending its headers, closes after this
+    body_read_timeout: float = 30.0  # a request body not fully received in this long gets a 408
     log_level: str = "info"
     fault_inject: str | None = None
     # -- device and live cross-checks (owner: dsv4/model, dsv4/kernels) --
@@ -78,7 +81,8 @@ class ServerArgs:
             )
         if self.context_length is not None and self.context_length <= 0:
             raise ConfigError("--context-length must be positive")
-        for name in ("request_timeout", "tick_stall_timeout", "max_queue_wait"):
+        for name in ("request_timeout", "tick_stall_timeout", "max_queue_wait", "shutdown_timeout",
+                     "timeout_keep_alive", "body_read_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         FaultInjection.parse(self.fault_inject)
@@ -138,6 +142,12 @@ class ServerArgs:
             help="not ready when ticks stop advancing with work pending this long, seconds")
         add("--max-queue-wait", type=float, default=d.max_queue_wait,
             help="not ready when the oldest waiting request is older than this, seconds")
+        add("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+            help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they end with an error")
+        add("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
+            help="seconds before an idle connection, or one that has not finished its headers, is closed")
+        add("--body-read-timeout", type=float, default=d.body_read_timeout,
+            help="seconds a client may take to send a request body (408 after)")
         add("--log-level", choices=LOG_LEVELS, default=d.log_level)
         add("--fault-inject", default=d.fault_inject, help=argparse.SUPPRESS)  # test-only: out of --help
         # -- device and live cross-checks --

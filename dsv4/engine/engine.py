@@ -79,6 +79,7 @@ class Engine:
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}  # live requests, until their last output
         self._task: asyncio.Task | None = None
         self._dead: str | None = None
+        self._died = asyncio.Event()
         self._progress_at = clock()
         self._ticks_done = 0
         self.metrics.observe_capacity(self.allocator.snapshot(), 0, 0)
@@ -96,14 +97,24 @@ class Engine:
             self._progress_at = self._clock()
             self._task = asyncio.create_task(self._supervise(), name="dsv4-tick-loop")
 
-    async def stop(self) -> None:
+    async def stop(self, reason: str = "engine stopped") -> None:
+        """Stops the tick loop; every request still live ends with `reason`."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
             await asyncio.wait({self._task}, timeout=STOP_TIMEOUT_S)
         self._ticker.close()
         if self._dead is None:
-            self._dead = "engine stopped"
+            self._dead = reason
             self._ticker.fail_all(self._dead)
+
+    def alive(self) -> tuple[bool, str | None]:
+        """Liveness: False (with the reason) once the tick loop has died and nothing can be served."""
+        return not self._died.is_set(), self._dead if self._died.is_set() else None
+
+    async def until_dead(self) -> str:
+        """Returns the reason once the tick loop has died (not when it was stopped)."""
+        await self._died.wait()
+        return self._dead
 
     async def _supervise(self) -> None:
         try:
@@ -120,6 +131,7 @@ class Engine:
             self._dead = f"tick loop died at tick {self._ticks_done + 1}: {type(e).__name__}: {e}"
             log.exception("%s", self._dead)
             self._ticker.fail_all(self._dead)
+            self._died.set()
 
     # -- requests --------------------------------------------------------------------------------------
     def submit(self, req: GenerationRequest, *, export_state: Callable[[Request], None] | None = None
@@ -135,7 +147,7 @@ class Engine:
         self._queues[req.rid] = queue
         if self._dead is not None:
             queue.put_nowait(RequestOutput(rid=req.rid, finished=True, finish_reason="error", error=self._dead,
-                                           prompt_tokens=len(req.input_ids)))
+                                           prompt_tokens=len(req.input_ids), error_status=503))
         else:
             if not self._has_work():
                 self._progress_at = now  # the stall clock starts when work arrives, not at the last tick
@@ -158,7 +170,7 @@ class Engine:
                 self.allocator.pages.free(handle)
             self.allocator.slots.free(slot)
             queue.put_nowait(RequestOutput(rid=req.rid, finished=True, finish_reason="error", error=self._dead,
-                                           prompt_tokens=len(req.input_ids)))
+                                           prompt_tokens=len(req.input_ids), error_status=503))
         else:
             if not self._has_work():
                 self._progress_at = now

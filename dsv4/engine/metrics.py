@@ -47,6 +47,10 @@ class EngineMetrics:
         )
         for reason in FINISH_REASONS:
             self.finished_requests.labels(reason=reason)  # export zeros so rates exist from the start
+        self.request_errors = Counter(
+            "dsv4_request_errors", "Requests ended by an error of their own while the engine went on, by stage",
+            ["stage"], registry=r,
+        )
         # --verify-indexer
         self.indexer_verified = Counter(
             "dsv4_indexer_verified", "Indexer selections (token x CSA layer) checked against the reference",

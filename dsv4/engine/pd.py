@@ -158,9 +158,9 @@ class PdEngine:
         await self.engine.start()
         await self.side.start()
 
-    async def stop(self) -> None:
+    async def stop(self, reason: str = "engine stopped") -> None:
         await self.side.stop()
-        await self.engine.stop()
+        await self.engine.stop(reason)
 
     def submit(self, req: GenerationRequest):
         if self.mode == "prefill":

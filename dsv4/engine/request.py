@@ -40,6 +40,7 @@ class Request:
     last_token_at: float | None = None
     finish_reason: str | None = None
     error: str | None = None
+    error_status: int = 500  # the HTTP status of `error`: 400 when the request's own input is the cause
     last_event: str = "queued"
     # PD prefill (dsv4/engine/pd.py): called at the tick boundary right after the first token was
     # sampled, before the request's pages and slot are released, to copy its state out.

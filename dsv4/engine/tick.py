@@ -9,6 +9,11 @@ Everything but the forward and sampling runs on the event loop thread, which is 
 touches scheduler state; so aborts and deadlines take effect at tick boundaries by construction,
 and the loop stays free to answer /health while a forward runs.
 
+A request's error stays the request's (ARCHITECTURE.md invariant 5): whatever goes wrong while
+admitting one request, sampling its token, checking its stops, detokenising or delivering its
+output ends that request alone with the cause (counted in dsv4_request_errors_total{stage}); the
+tick goes on. Only a failure of the shared forward, or of the loop itself, is the instance's.
+
 With --verify-indexer, the runner's check of the forward's indexer selections comes back with the
 sampled tokens; disagreements are counted, logged and shown per request, and with `fail` a request
 whose selection failed gets an error instead of the token sampled from it.
@@ -28,7 +33,7 @@ import torch
 from dsv4.config import FaultInjection
 from dsv4.engine.metrics import EngineMetrics
 from dsv4.engine.output import TextStream
-from dsv4.engine.request import Request
+from dsv4.engine.request import AdmissionError, Request
 from dsv4.engine.sampling import sample, stop_reason
 from dsv4.engine.scheduler import Scheduler
 from dsv4.model.indexer_check import IndexerVerifier
@@ -131,10 +136,9 @@ class Ticker:
         started = self._clock()
         new, aborts = self.inbox.take()
         for req in new:
-            self.scheduler.add(req)
-            self._decoding[req.rid] = _Decoding(req, self._new_detokenizer())
+            self._guarded(req, "admit", started, self._admit, req)
         for req, first_token in self.inbox.take_adopted():
-            self._adopt(req, first_token, started)
+            self._guarded(req, "adopt", started, self._adopt, req, first_token, started)
         for rid, reason in aborts.items():
             req = self.scheduler.abort(rid, reason)
             if req is not None:
@@ -159,6 +163,21 @@ class Ticker:
         )
         return plan
 
+    def _guarded(self, req: Request, stage: str, now: float, handle: Callable[..., None], *args) -> None:
+        """Runs one request's handling; whatever it raises ends that request alone (invariant 5)."""
+        try:
+            handle(*args)
+        except AdmissionError as e:
+            req.error_status = 400
+            self._fail_request(req, stage, e, now)
+        except Exception as e:  # noqa: BLE001 -- any error in one request's handling is that request's
+            self._fail_request(req, stage, e, now)
+
+    def _admit(self, req: Request) -> None:
+        decoding = _Decoding(req, self._new_detokenizer())
+        self.scheduler.add(req)
+        self._decoding[req.rid] = decoding
+
     def _adopt(self, req: Request, first_token: int, now: float) -> None:
         """PD decode: the request arrives with its prompt computed elsewhere and its first token
         sampled there; that token is delivered (and checked for stop) as if sampled here."""
@@ -176,18 +195,19 @@ class Ticker:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     def fail_all(self, error: str) -> None:
-        """Ends every live request with `error` (the tick loop is gone; nothing will be released)."""
+        """Ends every live request with `error` (the tick loop is gone; nothing will be released).
+        503: the requests were fine, the engine can no longer serve them."""
         queued, _ = self.inbox.take()
         queued += [req for req, _ in self.inbox.take_adopted()]
         for req in [*self.scheduler.requests(), *queued]:
-            req.finish_reason, req.error = "error", error
+            req.finish_reason, req.error, req.error_status = "error", error, 503
             self._end(req, self._clock())
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- forward and sample (worker thread) --------------------------------------------------------
-    async def _forward_and_sample(self, plan: TickPlan) -> tuple[list[int], IndexerVerifier | None]:
+    async def _forward_and_sample(self, plan: TickPlan) -> tuple[list[int | Exception], IndexerVerifier | None]:
         sampled = [self.scheduler.get(c.rid) for c in plan.batch.chunks if c.sample]
         params = [r.sampling for r in sampled]
         positions = [r.num_tokens for r in sampled]  # where each sampled token will stand
@@ -201,7 +221,7 @@ class Ticker:
             ) from None
 
     def _run(self, plan: TickPlan, params: list[SamplingParams],
-             positions: list[int]) -> tuple[list[int], IndexerVerifier | None]:
+             positions: list[int]) -> tuple[list[int | Exception], IndexerVerifier | None]:
         """The sampled tokens, and the runner's indexer check of this forward (None when not verified)."""
         if plan.seq == self._faults.stall_at_tick:
             time.sleep(self._faults.stall_seconds)
@@ -212,12 +232,11 @@ class Ticker:
             if logits.shape[0] != len(params):
                 raise TickFailed(f"runner returned {logits.shape[0]} rows of logits for {len(params)} sampled chunks")
             indexer_check = self.runner.indexer_check if self._verify_indexer != "off" else None
-            return sample(logits, params, positions), indexer_check
+            return _sample_isolated(logits, params, positions), indexer_check
 
     # -- delivery (event loop) --------------------------------------------------------------------------
-    def _postprocess(self, plan: TickPlan, tokens: list[int], indexer_check: IndexerVerifier | None,
+    def _postprocess(self, plan: TickPlan, tokens: list[int | Exception], indexer_check: IndexerVerifier | None,
                      now: float) -> None:
-        metrics = self._metrics
         failed = self._take_indexer_check(indexer_check) if indexer_check is not None else {}
         sampled = iter(tokens)
         for chunk in plan.batch.chunks:
@@ -226,19 +245,26 @@ class Ticker:
             if chunk.rid in failed:
                 self.scheduler.abort(chunk.rid, failed[chunk.rid], finish_reason="error")
                 self._end(req, now)
-                continue
-            if token is None:
-                continue
-            req.output_ids.append(token)
-            metrics.generation_tokens.inc()
-            if req.first_token_at is None:  # counted once: a retracted request recomputes its prompt
-                metrics.prompt_tokens.inc(len(req.prompt_ids))
-                req.first_token_at = now
-                metrics.time_to_first_token.observe(now - req.arrival)
+            elif isinstance(token, Exception):
+                self._fail_request(req, "sample", token, now)
             else:
-                metrics.inter_token_latency.observe(now - req.last_token_at)
-            req.last_token_at = now
-            self._deliver_token(req, token)
+                self._guarded(req, "deliver", now, self._accept, req, chunk, token, now)
+
+    def _accept(self, req: Request, chunk, token: int | None, now: float) -> None:
+        """Counts a chunk's work and delivers the token it sampled, if any."""
+        metrics = self._metrics
+        if token is None:
+            return
+        req.output_ids.append(token)
+        metrics.generation_tokens.inc()
+        if req.first_token_at is None:  # counted once: a retracted request recomputes its prompt
+            metrics.prompt_tokens.inc(len(req.prompt_ids))
+            req.first_token_at = now
+            metrics.time_to_first_token.observe(now - req.arrival)
+        else:
+            metrics.inter_token_latency.observe(now - req.last_token_at)
+        req.last_token_at = now
+        self._deliver_token(req, token)
 
     def _take_indexer_check(self, check: IndexerVerifier) -> dict[str, str]:
         """Counts, logs and records on each request a forward's indexer check; returns the requests
@@ -273,6 +299,24 @@ class Ticker:
         self._deliver(self._output(req, (token,), text))
         self._forget(req, req.last_token_at)
 
+    def _fail_request(self, req: Request, stage: str, error: Exception, now: float) -> None:
+        """Ends `req` alone with `error`, whatever it holds or has been sent; the tick goes on."""
+        message = str(error) if isinstance(error, AdmissionError) else (
+            f"request failed while the engine went on ({stage}): {type(error).__name__}: {error}")
+        self._metrics.request_errors.labels(stage=stage).inc()
+        if req.error_status >= 500:
+            log.error("request %s: %s", req.rid, message, exc_info=error)
+        if self.scheduler.get(req.rid) is req:
+            self.scheduler.abort(req.rid, message, finish_reason="error")
+        else:  # never admitted, or already released: only what it still holds is freed
+            for handle in req.pages:
+                self.scheduler.allocator.pages.free(handle)
+            if req.slot is not None:
+                self.scheduler.allocator.slots.free(req.slot)
+            req.pages, req.slot = [], None
+            req.finish_reason, req.error = "error", message
+        self._end(req, now)
+
     def _end(self, req: Request, now: float) -> None:
         """Delivers the last output of a request that ended without a token (abort, deadline, error)."""
         self._deliver(self._output(req, (), ""))
@@ -289,9 +333,27 @@ class Ticker:
             error=req.error,
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
+            error_status=req.error_status,
         )
 
     def _forget(self, req: Request, now: float) -> None:
         self._decoding.pop(req.rid, None)
         self._metrics.finished_requests.labels(reason=req.finish_reason).inc()
         self._metrics.e2e_latency.observe(now - req.arrival)
+
+
+def _sample_isolated(logits: torch.Tensor, params: list[SamplingParams],
+                     positions: list[int]) -> list[int | Exception]:
+    """Samples the batch; if that fails, samples row by row so that only the rows whose own
+    parameters break sampling fail (an Exception in their place)."""
+    try:
+        return sample(logits, params, positions)
+    except Exception:
+        log.exception("batched sampling failed; sampling row by row to isolate the request")
+    tokens: list[int | Exception] = []
+    for i, (p, position) in enumerate(zip(params, positions, strict=True)):
+        try:
+            tokens += sample(logits[i : i + 1], [p], [position])
+        except Exception as e:  # noqa: BLE001 -- this row's failure is its request's, reported with it
+            tokens.append(e)
+    return tokens

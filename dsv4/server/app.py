@@ -1,16 +1,13 @@
 """The HTTP front: an aiohttp application over an Engine (never touches tensors).
 
-`build_app(engine, args)` wires routes and middleware; `run_server(engine, args)` blocks: it
-starts the engine, serves on args.host:args.port under uvloop and, on SIGINT or SIGTERM, stops
-accepting, gives in-flight requests `SHUTDOWN_GRACE_SECONDS` to finish (requests cut off there
-are aborted in the engine by their handlers), then stops the engine.
+`build_app(engine, args)` wires routes and middleware; `run_server(engine, args)` blocks until
+SIGINT/SIGTERM (a graceful drain, exit code 0) or the engine's death (exit code 1); see
+dsv4/server/lifecycle.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 
 import uvloop
 from aiohttp import web
@@ -18,12 +15,14 @@ from aiohttp import web
 from dsv4.config import ServerArgs
 from dsv4.server import chat_completions, completions, native, ops
 from dsv4.server.http_metrics import HttpMetrics
+from dsv4.server.lifecycle import FLUSH_SECONDS, Lifecycle, drain, until_signalled_or_dead
 from dsv4.server.middleware import add_request_id_header, guard
-from dsv4.server.state import ARGS, ENGINE, HTTP_METRICS
+from dsv4.server.state import ARGS, ENGINE, HTTP_METRICS, LIFECYCLE
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_SECONDS = 10.0
+# aiohttp's own wait for handlers at cleanup: by then every request has been ended.
+CLEANUP_TIMEOUT_SECONDS = 1.0
 
 
 def build_app(engine, args: ServerArgs) -> web.Application:
@@ -31,6 +30,7 @@ def build_app(engine, args: ServerArgs) -> web.Application:
     app[ENGINE] = engine
     app[ARGS] = args
     app[HTTP_METRICS] = HttpMetrics()
+    app[LIFECYCLE] = Lifecycle()
     app.on_response_prepare.append(add_request_id_header)
     app.router.add_post("/v1/chat/completions", chat_completions.chat_completions)
     app.router.add_post("/v1/completions", completions.completions)
@@ -43,32 +43,32 @@ def build_app(engine, args: ServerArgs) -> web.Application:
     return app
 
 
-def run_server(engine, args: ServerArgs) -> None:
-    uvloop.run(serve(engine, args))
+def run_server(engine, args: ServerArgs) -> int:
+    """Serves until stopped; returns the process exit code."""
+    return uvloop.run(serve(engine, args))
 
 
-async def serve(engine, args: ServerArgs) -> None:
-    """Serves until SIGINT or SIGTERM (the async body of run_server, for callers with a loop)."""
+async def serve(engine, args: ServerArgs) -> int:
+    """The async body of run_server, for callers with a loop: 0 after a signal, 1 if the engine died."""
     await engine.start()
-    runner = web.AppRunner(build_app(engine, args), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_SECONDS)
+    app = build_app(engine, args)
+    lifecycle = app[LIFECYCLE]
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=CLEANUP_TIMEOUT_SECONDS,
+                           keepalive_timeout=args.timeout_keep_alive)
     try:
         await runner.setup()
-        await web.TCPSite(runner, args.host, args.port).start()
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
         log.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
-        await _until_signalled()
-        log.info("shutting down: finishing in-flight requests (up to %.0f s)", SHUTDOWN_GRACE_SECONDS)
+        signalled = await until_signalled_or_dead(engine)
+        await site.stop()  # accept no more connections
+        if signalled:
+            await drain(lifecycle, engine, args.shutdown_timeout)
+            return 0
+        lifecycle.draining = True
+        log.critical("exiting: %s", engine.alive()[1])
+        await lifecycle.wait_idle(FLUSH_SECONDS)  # the engine has ended every request: let them be sent
+        return 1
     finally:
         await runner.cleanup()
         await engine.stop()
-
-
-async def _until_signalled() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine, args = request.app[ENGINE], request.app[ARGS]
-    body: v.ChatCompletionBody = await v.decode_body(request, v.ChatCompletionBody, args.max_request_bytes)
+    body: v.ChatCompletionBody = await v.decode_body(request, v.ChatCompletionBody, args)
     v.check_model(body.model, engine.model_name)
     v.check_single_choice(body.n)
     v.check_no_penalties(body)
@@ -37,7 +37,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         param = "logprobs" if body.logprobs else "top_logprobs"
         raise bad_request("logprobs are not supported", param=param, code="unsupported_parameter")
     prompt = build_chat_prompt(body)
-    input_ids = list(engine.tokenizer.encode(prompt.text))
+    input_ids = await v.tokenize(engine.tokenizer, prompt.text, engine.max_context, "messages")
     tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:

@@ -26,12 +26,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine, args = request.app[ENGINE], request.app[ARGS]
-    body: v.CompletionBody = await v.decode_body(request, v.CompletionBody, args.max_request_bytes)
+    body: v.CompletionBody = await v.decode_body(request, v.CompletionBody, args)
     v.check_model(body.model, engine.model_name)
     v.check_single_choice(body.n)
     v.check_no_penalties(body)
     _check_unsupported(body)
-    input_ids = _prompt_ids(body.prompt, engine.tokenizer)
+    input_ids = await _prompt_ids(body.prompt, engine)
     v.check_prompt_ids(input_ids, engine.model_config.vocab_size, "prompt")
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     sampling = v.make_sampling(
@@ -60,7 +60,7 @@ def _check_unsupported(body: v.CompletionBody) -> None:
         raise bad_request("only best_of=1 is supported", param="best_of", code="unsupported_parameter")
 
 
-def _prompt_ids(prompt, tokenizer) -> list[int]:
+async def _prompt_ids(prompt, engine) -> list[int]:
     if isinstance(prompt, list) and not all(isinstance(item, int) for item in prompt):
         if len(prompt) != 1:
             raise bad_request("give one prompt: a string or a list of token ids", param="prompt",
@@ -71,7 +71,7 @@ def _prompt_ids(prompt, tokenizer) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("the prompt is empty", param="prompt")
-        return list(tokenizer.encode(prompt))
+        return await v.tokenize(engine.tokenizer, prompt, engine.max_context, "prompt")
     return list(prompt)
 
 

@@ -17,6 +17,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str = "invalid_request_error",
+        close_connection: bool = False,
     ):
         super().__init__(message)
         self.status = status
@@ -24,14 +25,18 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.type = type
+        self.close_connection = close_connection  # the connection is in an unknown state (half a body)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def to_response(self, headers: dict | None = None) -> web.Response:
-        return web.Response(
+        response = web.Response(
             status=self.status, body=msgspec.json.encode(self.body()), content_type="application/json", headers=headers
         )
+        if self.close_connection:
+            response.force_close()
+        return response
 
 
 class ClientGone(Exception):

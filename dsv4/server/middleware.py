@@ -14,7 +14,7 @@ import uuid
 from aiohttp import web
 
 from dsv4.server.errors import ApiError, ClientGone, server_error
-from dsv4.server.state import ARGS, HTTP_METRICS, REQUEST_ID
+from dsv4.server.state import ARGS, CLIENT_LEFT, HTTP_METRICS, LIFECYCLE, REQUEST_ID
 
 log = logging.getLogger(__name__)
 
@@ -31,19 +31,27 @@ _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_
 async def guard(request: web.Request, handler):
     request[REQUEST_ID] = uuid.uuid4().hex
     metrics = request.app[HTTP_METRICS]
+    lifecycle = request.app[LIFECYCLE]
+    tracked = request.path not in OPEN_PATHS  # probes stay answerable while draining, and never wait
     started = time.perf_counter()
     status = 500
     metrics.in_flight.inc()
+    if tracked:
+        lifecycle.enter()
     try:
+        if tracked and lifecycle.draining:
+            raise ApiError(503, "the server is shutting down", code="shutting_down", type="server_error")
         _check_api_key(request)
         response = await handler(request)
-        status = response.status
+        status = CLIENT_CLOSED_REQUEST if request.get(CLIENT_LEFT) else response.status
         return response
     except ApiError as e:
         status = e.status
         return e.to_response()
-    except ClientGone:
+    except ClientGone as e:
         status = CLIENT_CLOSED_REQUEST
+        log.info("request %s (%s %s): the client went away: %s", request[REQUEST_ID], request.method,
+                 request.path, e)
         metrics.client_disconnects.labels(request.path).inc()
         return web.Response(status=CLIENT_CLOSED_REQUEST)
     except web.HTTPException as e:  # routing failures and aiohttp's own limits
@@ -55,15 +63,21 @@ async def guard(request: web.Request, handler):
         log.exception("request %s (%s %s) failed", request[REQUEST_ID], request.method, request.path)
         return server_error(f"internal error; request id {request[REQUEST_ID]}").to_response()
     finally:
+        if tracked:
+            lifecycle.leave()
         metrics.in_flight.dec()
         metrics.observe(_route_label(request), request.method, status, time.perf_counter() - started)
 
 
 async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
-    """on_response_prepare hook: covers streams, whose headers leave before the handler returns."""
+    """on_response_prepare hook: covers streams, whose headers leave before the handler returns.
+    While draining, connections are not kept alive past their response."""
     request_id = request.get(REQUEST_ID)
     if request_id:
         response.headers["X-Request-Id"] = request_id
+    if request.app[LIFECYCLE].draining:
+        response.force_close()
+        response.headers["Connection"] = "close"  # headers are computed before this hook runs
 
 
 def _check_api_key(request: web.Request) -> None:

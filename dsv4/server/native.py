@@ -16,11 +16,14 @@ from dsv4.server.streaming import collect, engine_call, stream
 
 async def generate(request: web.Request) -> web.StreamResponse:
     engine, args = request.app[ENGINE], request.app[ARGS]
-    body: v.GenerateBody = await v.decode_body(request, v.GenerateBody, args.max_request_bytes)
+    body: v.GenerateBody = await v.decode_body(request, v.GenerateBody, args)
     if (body.input_ids is None) == (body.text is None):
         raise bad_request("give exactly one of input_ids and text", param="input_ids")
     prompt_param = "text" if body.input_ids is None else "input_ids"
-    input_ids = list(engine.tokenizer.encode(body.text)) if body.input_ids is None else body.input_ids
+    if body.input_ids is None:
+        input_ids = await v.tokenize(engine.tokenizer, body.text, engine.max_context, prompt_param)
+    else:
+        input_ids = body.input_ids
     v.check_prompt_ids(input_ids, engine.model_config.vocab_size, prompt_param)
     params = body.sampling_params
     tokens_param = "sampling_params.max_new_tokens"

@@ -8,7 +8,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dsv4.server.state import ENGINE, HTTP_METRICS
+from dsv4.server.state import ENGINE, HTTP_METRICS, LIFECYCLE
 
 _STARTED = int(time.time())
 
@@ -18,12 +18,18 @@ def json_response(payload, status: int = 200) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    # Liveness only: answering at all proves the event loop turns. Readiness is /health/ready.
+    # Liveness: the event loop turns and the engine can still serve (a dead tick loop is not alive,
+    # so a supervisor restarts the process). Readiness is /health/ready.
+    alive, reason = request.app[ENGINE].alive()
+    if not alive:
+        return json_response({"status": "dead", "reason": reason}, status=503)
     return json_response({"status": "ok"})
 
 
 async def health_ready(request: web.Request) -> web.Response:
     ready, reasons = request.app[ENGINE].ready()
+    if request.app[LIFECYCLE].draining:
+        ready, reasons = False, ["the server is shutting down", *reasons]
     return json_response({"ready": ready, "reasons": list(reasons)}, status=200 if ready else 503)
 
 

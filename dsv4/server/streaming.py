@@ -17,7 +17,7 @@ from dsv4.protocol import GenerationRequest, RequestOutput, SamplingParams
 from dsv4.server.engine_call import EngineCall
 from dsv4.server.errors import ApiError, ClientGone, server_error
 from dsv4.server.sse import SSEStream
-from dsv4.server.state import ARGS, ENGINE, HTTP_METRICS, REQUEST_ID
+from dsv4.server.state import ARGS, CLIENT_LEFT, ENGINE, HTTP_METRICS, REQUEST_ID
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,9 @@ async def stream(request: web.Request, call: EngineCall, translator: Translator)
                 break
             output = await next_output(call)
         await sse.close()
-    except ClientGone:
+    except ClientGone as e:
+        request[CLIENT_LEFT] = True
+        log.info("request %s: the client went away mid-stream: %s", call.rid, e)
         request.app[HTTP_METRICS].client_disconnects.labels(request.path).inc()
         sse.response.force_close()
     except ApiError as e:

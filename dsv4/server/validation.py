@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Annotated
 
 import msgspec
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
 
+from dsv4.config import ServerArgs
 from dsv4.protocol import SamplingParams
-from dsv4.server.errors import ApiError, bad_request
+from dsv4.server.errors import ApiError, ClientGone, bad_request
 
 MAX_STOP_SEQUENCES = 16
 
@@ -164,14 +166,22 @@ class GenerateBody(msgspec.Struct, kw_only=True):
 # -- decoding --------------------------------------------------------------------------------------
 
 
-async def decode_body(request: web.Request, body_type: type, max_bytes: int):
+async def decode_body(request: web.Request, body_type: type, args: ServerArgs):
+    """The body, read within --body-read-timeout and --max-request-bytes, decoded as `body_type`."""
+    max_bytes = args.max_request_bytes
     declared = request.content_length
     if declared is not None and declared > max_bytes:
         raise _too_large(max_bytes)
     try:
-        raw = await request.read()
+        async with asyncio.timeout(args.body_read_timeout):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(max_bytes) from None
+    except TimeoutError:
+        raise ApiError(408, f"the request body was not received within {args.body_read_timeout:g} s",
+                       code="request_timeout", close_connection=True) from None
+    except (ConnectionError, ClientPayloadError) as e:  # the client left while sending
+        raise ClientGone(f"while sending its body: {e}") from None
     return decode_json(raw, body_type)
 
 
@@ -241,6 +251,22 @@ def check_prompt_ids(ids: list[int], vocab_size: int, param: str) -> None:
         if not 0 <= token < vocab_size:
             raise bad_request(f"token id {token} at index {i} is outside the vocabulary [0, {vocab_size})",
                               param=param, code="invalid_token_id")
+
+
+# Texts longer than this are tokenised on a worker thread, so that the event loop keeps answering.
+INLINE_TOKENIZE_CHARS = 16 * 1024
+
+
+async def tokenize(tokenizer, text: str, max_context: int, param: str) -> list[int]:
+    """Token ids of a prompt text. A text that cannot fit the context is refused from its length
+    alone, before tokenising (a multi-megabyte prompt would take seconds to tokenise)."""
+    at_least = -(-len(text) // tokenizer.max_token_bytes)
+    if at_least >= max_context:
+        raise bad_request(f"the prompt has at least {at_least} tokens ({len(text)} characters); this model's "
+                          f"context is {max_context} tokens", param=param, code="context_length_exceeded")
+    if len(text) <= INLINE_TOKENIZE_CHARS:
+        return list(tokenizer.encode(text))
+    return list(await asyncio.to_thread(tokenizer.encode_without_gil, text))
 
 
 def check_fits(prompt_len: int, max_new_tokens: int, max_context: int, prompt_param: str, tokens_param: str) -> None:

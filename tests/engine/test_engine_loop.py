@@ -181,3 +181,56 @@ async def test_stop_strings_and_admission_errors(make_engine):
         engine.submit(greedy_request("huge", [3] * 100, max_new=16 * P))
     with pytest.raises(AdmissionError, match="token ids"):
         engine.submit(greedy_request("oov", [10**6]))
+
+
+async def test_a_requests_error_ends_that_request_alone(make_engine, monkeypatch):
+    """ARCHITECTURE.md invariant 5: a request whose text state cannot be set up (admission), a
+    sampler that fails for one request's parameters (sampling) and a detokenizer that fails on one
+    request's text (delivery) each end that request with its cause; the others finish and the
+    engine stays ready."""
+    engine = await make_engine()
+    from dsv4.engine import tick
+
+    real_sample = tick.sample
+
+    def sample_refusing_top_k_7(logits, params, positions):
+        if any(p.top_k == 7 for p in params):
+            raise ValueError("no sampler takes top_k 7")
+        return real_sample(logits, params, positions)
+
+    monkeypatch.setattr(tick, "sample", sample_refusing_top_k_7)
+    real_detokenizer = engine._ticker._new_detokenizer
+
+    class FailsOnPush:
+        def push(self, token):
+            raise UnicodeError("cannot decode this request's bytes")
+
+    def no_detokenizer():
+        raise MemoryError("no room for this request's text state")
+
+    factories = iter([FailsOnPush, no_detokenizer])  # in admission order: "detok", then "admit"
+    monkeypatch.setattr(engine._ticker, "_new_detokenizer", lambda: next(factories, real_detokenizer)())
+    broken = [
+        GenerationRequest(rid="detok", input_ids=(5, 6, 7), sampling=SamplingParams(max_new_tokens=4, temperature=0)),
+        GenerationRequest(rid="admit", input_ids=(5, 6, 8), sampling=SamplingParams(max_new_tokens=4, temperature=0)),
+        GenerationRequest(rid="topk", input_ids=(5, 6, 7),
+                          sampling=SamplingParams(max_new_tokens=4, temperature=0.7, top_k=7, seed=1)),
+    ]
+    healthy = [greedy_request(f"ok{i}", [9, i + 3, 4]) for i in range(5)]
+    async with asyncio.timeout(30):
+        results = await asyncio.gather(*(collect(engine.submit(r)) for r in [*broken, *healthy]))
+    for req, outputs, cause in zip(broken, results, ("UnicodeError", "MemoryError", "ValueError")):
+        final = outputs[-1]
+        assert final.finished and final.finish_reason == "error", (req.rid, final)
+        assert final.error_status == 500 and "engine went on" in final.error and cause in final.error, final.error
+    for req, outputs in zip(healthy, results[len(broken):]):
+        tokens = [t for out in outputs for t in out.token_ids]
+        assert tokens == fake_greedy(list(req.input_ids), 6, engine.model_config.vocab_size, engine.runner.avoid)
+    await wait_until(lambda: all_free(engine))
+    assert engine.ready() == (True, [])
+    sample = engine.metrics.registry.get_sample_value
+    assert {s: sample("dsv4_request_errors_total", {"stage": s}) for s in ("admit", "sample", "deliver")} == {
+        "admit": 1, "sample": 1, "deliver": 1}
+    async with asyncio.timeout(10):
+        outputs = await collect(engine.submit(greedy_request("after", [3, 4, 5])))
+    assert outputs[-1].finish_reason == "length"

@@ -20,9 +20,12 @@ VOCAB_SIZE = 0x110000
 
 class CharTokenizer:
     think_start_id = think_end_id = None  # no special tokens: every id is one character
+    max_token_bytes = 1
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
+
+    encode_without_gil = encode
 
     def decode(self, ids) -> str:
         return "".join(chr(i) for i in ids)
@@ -51,12 +54,30 @@ class FakeEngine:
         self.live: dict[str, _Live] = {}
         self.metrics = SimpleNamespace(registry=CollectorRegistry())
         self.ticks = Counter("dsv4_fake_ticks", "fake engine ticks", registry=self.metrics.registry)
+        self.stopped: str | None = None
+        self.death: str | None = None
+        self.died = asyncio.Event()
 
     async def start(self) -> None:
         pass
 
-    async def stop(self) -> None:
-        pass
+    async def stop(self, reason: str = "engine stopped") -> None:
+        self.stopped = reason
+        for live in list(self.live.values()):
+            live.abort_reason = reason
+            live.wake.set()
+
+    def alive(self) -> tuple[bool, str | None]:
+        return self.death is None, self.death
+
+    async def until_dead(self) -> str:
+        await self.died.wait()
+        return self.death
+
+    def die(self, reason: str) -> None:
+        """What the real engine does when its tick loop dies."""
+        self.death = reason
+        self.died.set()
 
     def submit(self, request: GenerationRequest):
         if self.refusal:

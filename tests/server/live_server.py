@@ -57,6 +57,13 @@ class LiveServer:
                 raise AssertionError(f"server not ready in {READY_TIMEOUT_S} s:\n{self._log_tail()}")
             time.sleep(0.2)
 
+    def send_signal(self, sig: int) -> None:
+        self._process.send_signal(sig)
+
+    def wait_exit(self, timeout: float) -> int:
+        """The exit code; raises subprocess.TimeoutExpired if the process outlives `timeout`."""
+        return self._process.wait(timeout=timeout)
+
     def stop(self) -> None:
         if self._process is None:
             return

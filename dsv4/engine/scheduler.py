@@ -209,7 +209,7 @@ class Scheduler:
         req.retractions += 1
         req.last_retraction = reason
         req.last_event = f"retracted after {len(req.output_ids)} tokens: {reason}"
-        # Its arrival place; every request behind it arrived later, or it would have been admitted first.
+        # Its place in arrival order, ahead of every request that never ran: FCFS admitted it before them.
         place = next((i for i, r in enumerate(self.waiting) if r.arrival_index > req.arrival_index), len(self.waiting))
         self.waiting.insert(place, req)
         self._retracted_since_plan.append(req.rid)

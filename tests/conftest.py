@@ -15,7 +15,18 @@ KERNELS_ON_CUDA = torch.cuda.is_available() and os.environ.get("DSV4_KERNELS_INT
 if not KERNELS_ON_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from hypothesis import settings
+
 from dsv4.tiny import make_tiny
+
+# Property tests draw the same examples on every run (CI included) unless `--hypothesis-seed N`
+# asks for another draw; no example database, so a run depends on nothing left on disk.
+settings.register_profile("fixed", derandomize=True, database=None, deadline=None)
+settings.register_profile("seeded", database=None, deadline=None)
+
+
+def pytest_configure(config):
+    settings.load_profile("fixed" if config.getoption("hypothesis_seed", None) is None else "seeded")
 
 
 @pytest.fixture(scope="session", autouse=True)

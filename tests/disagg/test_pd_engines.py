@@ -144,7 +144,7 @@ async def test_an_unencodable_seed_fails_that_request_only(make_pd):
 async def test_seeded_sampling_in_pd_equals_colocated(make_pd, tiny_ckpt):
     """The prefill samples the first token, the decode side the rest: with sampling a function of
     (seed, position), a seeded request continues exactly as it would on one engine."""
-    prefill, decode = await make_pd()
+    _prefill, decode = await make_pd()
     colocated, _ = engine_of(tiny_ckpt)
     await colocated.start()
     try:

@@ -247,14 +247,12 @@ class Ticker:
                 self._end(req, now)
             elif isinstance(token, Exception):
                 self._fail_request(req, "sample", token, now)
-            else:
-                self._guarded(req, "deliver", now, self._accept, req, chunk, token, now)
+            elif token is not None:
+                self._guarded(req, "deliver", now, self._accept, req, token, now)
 
-    def _accept(self, req: Request, chunk, token: int | None, now: float) -> None:
-        """Counts a chunk's work and delivers the token it sampled, if any."""
+    def _accept(self, req: Request, token: int, now: float) -> None:
+        """Records one sampled token and delivers it."""
         metrics = self._metrics
-        if token is None:
-            return
         req.output_ids.append(token)
         metrics.generation_tokens.inc()
         if req.first_token_at is None:  # counted once: a retracted request recomputes its prompt

@@ -32,7 +32,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body: v.ChatCompletionBody = await v.decode_body(request, v.ChatCompletionBody, args)
     v.check_model(body.model, engine.model_name)
     v.check_single_choice(body.n)
-    v.check_no_penalties(body)
+    v.refuse_unimplemented_sampling(body)
     if body.logprobs or body.top_logprobs:
         param = "logprobs" if body.logprobs else "top_logprobs"
         raise bad_request("logprobs are not supported", param=param, code="unsupported_parameter")

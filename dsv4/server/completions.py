@@ -29,7 +29,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body: v.CompletionBody = await v.decode_body(request, v.CompletionBody, args)
     v.check_model(body.model, engine.model_name)
     v.check_single_choice(body.n)
-    v.check_no_penalties(body)
+    v.refuse_unimplemented_sampling(body)
     _check_unsupported(body)
     input_ids = await _prompt_ids(body.prompt, engine)
     v.check_prompt_ids(input_ids, engine.model_config.vocab_size, "prompt")

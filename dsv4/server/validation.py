@@ -113,7 +113,7 @@ class OpenAISampling(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
     # Declared with their documented ranges so that a value out of range is a 400; any value other
-    # than the neutral one is refused (check_no_penalties) until sampling implements them.
+    # than the neutral one is refused (refuse_unimplemented_sampling) until sampling implements them.
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None  # extension
@@ -324,7 +324,7 @@ def make_sampling(
     )
 
 
-def check_no_penalties(body: OpenAISampling) -> None:
+def refuse_unimplemented_sampling(body: OpenAISampling) -> None:
     """Refuses the sampling processors dsv4 does not implement yet, instead of ignoring them."""
     neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
     for name, value in neutral.items():

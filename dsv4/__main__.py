@@ -37,11 +37,72 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"python -m dsv4 serve: {e}", file=sys.stderr)
         return 2
     _configure_logging(server_args.log_level)  # before loading, so the model's origin is logged first
+    if server_args.tp_size == 1:
+        return _serve_http(server_args)
+    # Tensor parallelism: a thread may still sit in a collective that can no longer complete, and
+    # torch.distributed's teardown may wait on it; the process ends at once with its code instead.
+    try:
+        code = _serve_http(server_args) if server_args.node_rank == 0 else _serve_follower_node(server_args)
+    except Exception as e:  # noqa: BLE001 -- the group could not form or load: said once, exit non-zero
+        print(f"python -m dsv4 serve: {type(e).__name__}: {e}", file=sys.stderr)
+        code = 2
+    _exit_now(code)
 
+
+def _serve_http(server_args) -> int:
     from dsv4.engine.pd import engine_for  # a plain Engine unless --disaggregation-mode says otherwise
     from dsv4.server.app import run_server
 
     return run_server(engine_for(server_args), server_args)
+
+
+def _serve_follower_node(server_args) -> int:
+    """--node-rank > 0: this node's ranks follow rank 0 (on node 0); no HTTP here."""
+    from dsv4.engine.follower import run_follower
+    from dsv4.engine.launch import start_node
+
+    group, ranks = start_node(server_args)
+    try:
+        return run_follower(server_args, group)
+    finally:
+        ranks.stop()
+
+
+def _exit_now(code: int):
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _rank(args: argparse.Namespace) -> int:
+    from dsv4.dist.ranks import decode_args, die_with_parent
+
+    die_with_parent()
+    server_args = decode_args(args.server_args)
+    _configure_logging(server_args.log_level)
+
+    from dsv4.engine.follower import run_follower
+    from dsv4.engine.launch import join_group
+
+    try:
+        code = run_follower(server_args, join_group(server_args, args.rank, args.dist_init_addr))
+    except Exception as e:  # noqa: BLE001 -- could not join: said once, exit non-zero
+        print(f"python -m dsv4 rank {args.rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        code = 2
+    _exit_now(code)
+
+
+def _add_rank(commands) -> None:
+    # Started by `serve --tp-size N` for each of its node's other ranks; not for people.
+    p = commands.add_parser("rank")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--dist-init-addr", required=True)
+    p.add_argument("--server-args", required=True, help="ServerArgs as msgspec JSON")
+    p.set_defaults(func=_rank)
 
 
 def _add_serve(commands) -> None:
@@ -106,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_tiny(commands)
     _add_serve(commands)
     _add_generate(commands)
+    _add_rank(commands)
     return parser
 
 

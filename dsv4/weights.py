@@ -361,18 +361,23 @@ def load_state_dict(
     cfg: ModelConfig,
     dtype: torch.dtype = torch.float32,
     progress: Callable[[int, int], None] | None = None,
+    select: Callable[[str], tuple[slice, ...] | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Official name -> tensor in `dtype` (tid2eid: int64) for every tensor of `expected_weights(cfg)`.
 
     `path` is a checkpoint directory (or one .safetensors file). Everything is validated from the
     headers before any data is read; each shard is opened once and read tensor by tensor.
     `progress(done_bytes, total_bytes)` is called after each shard; without it, checkpoints over
-    1 GiB log one line per shard.
+    1 GiB log one line per shard. `select(name)` (a tensor-parallel rank's share,
+    `dsv4.model.sharding.ShardPlan.select`) says which part of each tensor to keep: () all of it,
+    an index to slice it by once decoded, None none (the tensor is not read at all).
     """
     files = _checkpoint_files(Path(path))
     stored = _read_headers(files)
     entries = _plan(stored, cfg, Path(path))
-    return _read_entries(entries, files, cfg, dtype, progress)
+    parts = {entry.official: select(entry.official) if select else () for entry in entries}
+    entries = [entry for entry in entries if parts[entry.official] is not None]
+    return _read_entries(entries, files, cfg, dtype, progress, parts)
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
@@ -552,8 +557,10 @@ def _read_entries(
     cfg: ModelConfig,
     dtype: torch.dtype,
     progress: Callable[[int, int], None] | None,
+    keep: dict[str, tuple[slice, ...]],
 ) -> dict[str, torch.Tensor]:
-    """Read each shard once, in order; decode an entry as soon as every part of it has been read."""
+    """Read each shard once, in order; decode an entry as soon as every part of it has been read, and
+    keep `keep[name]` of it."""
     file_order = {file: i for i, file in enumerate(files)}
     needed: dict[Path, dict[str, _Stored]] = defaultdict(dict)
     ready_after: dict[int, list[_Entry]] = defaultdict(list)
@@ -578,7 +585,9 @@ def _read_entries(
         except SafetensorError as e:
             raise WeightError(f"{file}: could not read tensor data ({e})") from None
         for entry in ready_after[i]:
-            out[entry.official] = _materialise(entry, raw, cfg, dtype)
+            tensor = _materialise(entry, raw, cfg, dtype)
+            part = keep[entry.official]
+            out[entry.official] = tensor[part].clone() if part else tensor  # a copy: the rest is freed
             for part in (entry.weight, entry.scale):
                 if part is not None:
                     users[part.name] -= 1

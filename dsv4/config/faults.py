@@ -31,6 +31,37 @@ class FrameFault:
     delay_seconds: float = 0.0
 
 
+RANK_PHASES = ("plan", "forward", "consensus")
+_RANK_DELAY_FORM = "delay:rankR:PHASE:P:DURATION (PHASE: plan, forward or consensus)"
+
+
+@dataclass(frozen=True)
+class RankDelay:
+    """Tensor parallelism: rank `rank` sleeps `seconds` with `probability` at `phase` of each tick
+    (plan: before receiving or sending the plan; forward: before the forward; consensus: before the
+    consensus vector). It must never change an output nor desynchronise the group."""
+
+    rank: int
+    phase: str
+    probability: float
+    seconds: float
+
+
+def parse_rank_delay(item: str) -> RankDelay:
+    try:
+        _, rank, phase, probability, duration = item.split(":")
+        if not rank.startswith("rank") or not rank[4:].isdigit():
+            raise ValueError(f"{rank!r} is not rankR")
+        if phase not in RANK_PHASES:
+            raise ValueError(f"unknown phase {phase!r}")
+        delay = RankDelay(int(rank[4:]), phase, float(probability), parse_duration(duration))
+        if not 0.0 <= delay.probability <= 1.0:
+            raise ValueError(f"probability {delay.probability} outside 0..1")
+        return delay
+    except ValueError as e:
+        raise ConfigError(f"--fault-inject {item!r}: {e}; expected {_RANK_DELAY_FORM}") from None
+
+
 def parse_duration(text: str) -> float:
     """"200ms" or "2s" -> seconds."""
     number = text[:-2] if text.endswith("ms") else text[:-1] if text.endswith("s") else None
@@ -71,7 +102,7 @@ def parse_transfer_fault(item: str, fields: dict) -> None:
 class FaultInjection:
     """Test-only faults, parsed from `--fault-inject`: comma-separated `stall_tick=SECONDS@TICK`
     (the forward of tick TICK sleeps SECONDS first, as a wedged collective would) and
-    `crash_tick=TICK` (tick TICK raises, killing the tick loop)."""
+    `crash_tick=TICK` (tick TICK raises, killing the tick loop), and `delay:rankR:...` (RankDelay)."""
 
     stall_seconds: float = 0.0
     stall_at_tick: int | None = None
@@ -80,11 +111,15 @@ class FaultInjection:
     frame_faults: tuple[FrameFault, ...] = ()
     stall_prefill_seconds: float = 0.0
     kill_transfer_task: bool = False
+    rank_delays: tuple[RankDelay, ...] = ()
 
     @classmethod
     def parse(cls, spec: str | None) -> FaultInjection:
         fields: dict = {}
         for item in filter(None, (part.strip() for part in (spec or "").split(","))):
+            if item.startswith("delay:rank"):
+                fields["rank_delays"] = (*fields.get("rank_delays", ()), parse_rank_delay(item))
+                continue
             if ":" in item:
                 parse_transfer_fault(item, fields)
                 continue

@@ -54,6 +54,12 @@ class ServerArgs:
     disaggregation_bootstrap_port: int = 8998  # prefill: the UCX port decode instances connect to
     prefill_addr: tuple[str, ...] = ()  # decode: HOST:PORT of each prefill instance's bootstrap port
     verify_transfers: bool = False  # decode: per-page checksums checked before a transfer is used
+    # -- tensor/expert parallelism (owner: dsv4/dist; checked in _check_parallelism) --
+    tp_size: int = 1  # ranks in lockstep (docs/TENSOR_PARALLEL.md); 1: one process, no collectives
+    nnodes: int = 1  # machines the ranks span; ranks are split evenly, node 0 serves HTTP
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # HOST:PORT of rank 0's rendezvous; None: a free port on 127.0.0.1
+    dist_timeout: float = 30.0  # deadline of every collective (and of joining the group), seconds
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -88,6 +94,7 @@ class ServerArgs:
         FaultInjection.parse(self.fault_inject)
         self._check_verification()
         self._check_disaggregation()
+        self._check_parallelism()
 
     def _check_verification(self) -> None:
         if self.device is not None and self.device not in DEVICES:
@@ -113,6 +120,22 @@ class ServerArgs:
                 raise ConfigError(f"--prefill-addr {addr!r}: expected HOST:PORT")
         if not 0 <= self.disaggregation_bootstrap_port < 65536:
             raise ConfigError(f"--disaggregation-bootstrap-port {self.disaggregation_bootstrap_port} is not a port")
+
+    def _check_parallelism(self) -> None:
+        if self.tp_size < 1:
+            raise ConfigError(f"--tp-size {self.tp_size} must be at least 1")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ConfigError(f"--nnodes {self.nnodes} must be at least 1 and divide --tp-size {self.tp_size}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ConfigError("--nnodes > 1 needs --dist-init-addr HOST:PORT (rank 0's node)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--dist-init-addr {self.dist_init_addr!r}: expected HOST:PORT")
+        if self.dist_timeout <= 0:
+            raise ConfigError("--dist-timeout must be positive")
 
     @property
     def faults(self) -> FaultInjection:
@@ -169,6 +192,15 @@ class ServerArgs:
             help="decode mode: a prefill instance's bootstrap address (repeatable)")
         add("--verify-transfers", action="store_true",
             help="decode mode: check per-page checksums of every transfer before using it")
+        # -- tensor/expert parallelism --
+        add("--tp-size", type=int, default=d.tp_size,
+            help="ranks that shard the model and run each tick in lockstep (one process each, started by this one)")
+        add("--nnodes", type=int, default=d.nnodes, help="machines the --tp-size ranks span (one serve per machine)")
+        add("--node-rank", type=int, default=d.node_rank, help="this machine's index; node 0 serves HTTP")
+        add("--dist-init-addr", default=d.dist_init_addr, metavar="HOST:PORT",
+            help="rank 0's rendezvous address (needed with --nnodes > 1)")
+        add("--dist-timeout", type=float, default=d.dist_timeout,
+            help="seconds any collective (and joining the group) may take before the group stops, naming the rank")
 
     @classmethod
     def from_cli(cls, namespace) -> ServerArgs:

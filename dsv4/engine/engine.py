@@ -3,16 +3,22 @@
 It owns the tokenizer, the runner, the scheduler and the supervised tick loop, and reports
 readiness as forward progress (ARCHITECTURE.md invariant 6). Every method runs on the event loop
 thread; only forwards run elsewhere.
+
+With --tp-size N it is rank 0's engine: it owns the group and this node's other rank processes,
+watches them (a rank that exits kills the tick loop with that rank named) and stops them with itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
 from dsv4.config import CSA, ModelConfig, ServerArgs
+from dsv4.dist.collectives import TpGroup
+from dsv4.dist.ranks import RankProcesses
 from dsv4.engine.metrics import EngineMetrics
 from dsv4.engine.request import AdmissionError, Request
 from dsv4.engine.scheduler import Scheduler
@@ -30,6 +36,7 @@ IDLE_WAKE_S = 1.0  # an idle loop re-checks this often; it does not spin
 # dies with a named error instead of leaving requests hanging.
 FORWARD_DEADLINE_STALLS = 12
 STOP_TIMEOUT_S = 5.0
+RANK_POLL_S = 0.2  # how often rank 0 checks that the other rank processes still run
 
 
 class Engine:
@@ -42,6 +49,8 @@ class Engine:
         *,
         model_name: str = "dsv4",
         clock: Callable[[], float] = time.monotonic,
+        group: TpGroup | None = None,
+        ranks: RankProcesses | None = None,
     ) -> None:
         self.args = args
         self.model_config = model_config
@@ -72,12 +81,17 @@ class Engine:
             faults=args.faults,
             clock=clock,
             verify_indexer=args.verify_indexer,
+            group=group,
         )
+        self._group, self._ranks = group, ranks
+        if group is not None:
+            group.observe = lambda op, seconds: self.metrics.collective_seconds.labels(op=op).observe(seconds)
         if args.verify_indexer != "off":
             self.metrics.track_indexer_layers(i for i in range(model_config.num_layers)
                                               if model_config.layer_kind(i) == CSA)
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}  # live requests, until their last output
         self._task: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
         self._dead: str | None = None
         self._died = asyncio.Event()
         self._progress_at = clock()
@@ -86,23 +100,40 @@ class Engine:
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> Engine:
-        from dsv4.engine.launch import load_model
+        from dsv4.engine.launch import load_model, start_node
 
-        model = load_model(args)
-        return cls(args, model.config, model.tokenizer, model.runner, model_name=model.name)
+        if args.tp_size == 1:
+            model = load_model(args)
+            return cls(args, model.config, model.tokenizer, model.runner, model_name=model.name)
+        group, ranks = start_node(args)
+        try:
+            model = load_model(args, group)
+        except BaseException:
+            ranks.stop()
+            raise
+        return cls(args, model.config, model.tokenizer, model.runner, model_name=model.name, group=group, ranks=ranks)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
         if self._task is None:
             self._progress_at = self._clock()
             self._task = asyncio.create_task(self._supervise(), name="dsv4-tick-loop")
+            if self._ranks is not None:
+                self._watch = asyncio.create_task(self._watch_ranks(), name="dsv4-rank-watch")
 
     async def stop(self, reason: str = "engine stopped") -> None:
         """Stops the tick loop; every request still live ends with `reason`."""
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            await asyncio.wait({self._task}, timeout=STOP_TIMEOUT_S)
+        for task in (self._task, self._watch):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=STOP_TIMEOUT_S)
         self._ticker.close()
+        if self._ranks is not None:
+            await asyncio.to_thread(self._ranks.stop)
+            # With the other ranks gone, a collective still in flight fails at once; then the group can go.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.to_thread(self._ticker.close, wait=True), self.args.dist_timeout)
+            self._group.close()
         if self._dead is None:
             self._dead = reason
             self._ticker.fail_all(self._dead)
@@ -121,17 +152,32 @@ class Engine:
             while True:
                 if not self._has_work():
                     await self._ticker.inbox.wait(IDLE_WAKE_S)
-                    continue
+                    if self._group is None:
+                        continue  # a group ticks anyway: its followers wait for a plan within the deadline
                 plan = await self._ticker.step()
                 self._ticks_done = plan.seq
                 self._progress_at = self._clock()
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            self._dead = f"tick loop died at tick {self._ticks_done + 1}: {type(e).__name__}: {e}"
-            log.exception("%s", self._dead)
-            self._ticker.fail_all(self._dead)
-            self._died.set()
+            log.exception("tick loop died")
+            self._die(f"tick loop died at tick {self._ticks_done + 1}: {type(e).__name__}: {e}")
+
+    async def _watch_ranks(self) -> None:
+        while (dead := self._ranks.dead()) is None:
+            await asyncio.sleep(RANK_POLL_S)
+        self._die(f"{dead} (rank 0 at tick {self._ticks_done + 1})")
+        if self._task is not None:
+            self._task.cancel()
+
+    def _die(self, reason: str) -> None:
+        """The engine can serve no more: every live request ends with `reason`, and so does liveness."""
+        if self._died.is_set():
+            return
+        self._dead = reason
+        log.critical("%s", reason)
+        self._ticker.fail_all(reason)
+        self._died.set()
 
     # -- requests --------------------------------------------------------------------------------------
     def submit(self, req: GenerationRequest, *, export_state: Callable[[Request], None] | None = None
@@ -260,4 +306,10 @@ class Engine:
             entry["pages"] = pages.get(req.rid, [])
             entry["slot"] = slots.get(req.rid, [None])[0]
             requests.append(entry)
-        return {"requests": requests, **self.allocator.snapshot(), "tick": self._ticks_done, "ready": self.ready()[0]}
+        debug = {"requests": requests, **self.allocator.snapshot(), "tick": self._ticks_done, "ready": self.ready()[0],
+                 "tp_size": self.args.tp_size}
+        if self._group is not None:
+            slowest = self._group.slowest
+            debug["rank_ticks"] = self._ticker.rank_ticks
+            debug["slowest_collective"] = None if slowest is None else dict(zip(("op", "seconds", "tick"), slowest))
+        return debug

@@ -1,4 +1,5 @@
-"""From ServerArgs to a loaded model: checkpoint directory, config, weights, tokenizer, runner."""
+"""From ServerArgs to a loaded model: checkpoint directory, config, weights, tokenizer, runner; and, with
+--tp-size N, this node's ranks and the group they form (docs/TENSOR_PARALLEL.md)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 import dsv4.tiny
 import dsv4.weights
 from dsv4.config import ModelConfig, ServerArgs, cache_dir
-from dsv4.engine.runner import TORCH_DTYPES, ModelRunner
+from dsv4.dist.collectives import TpGroup
+from dsv4.dist.ranks import RankProcesses, free_port
+from dsv4.engine.runner import TORCH_DTYPES, ModelRunner, resolve_device
+from dsv4.model.sharding import ShardPlan
 from dsv4.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -28,16 +34,53 @@ class LoadedModel:
     runner: ModelRunner
 
 
-def load_model(args: ServerArgs) -> LoadedModel:
-    path = Path(args.model) if args.model else builtin_tiny_checkpoint()
+def load_model(args: ServerArgs, group: TpGroup | None = None) -> LoadedModel:
+    """The model, or with `group` this rank's shard of it (only its part of the checkpoint is kept)."""
+    path = checkpoint_path(args)
     config = ModelConfig.from_json(path)
-    weights = dsv4.weights.load_state_dict(path, config, TORCH_DTYPES[args.dtype])
+    shard = ShardPlan(config, group.rank, group.size) if group is not None else ShardPlan(config)
+    weights = dsv4.weights.load_state_dict(path, config, TORCH_DTYPES[args.dtype], select=shard.select)
     tokenizer = Tokenizer.from_dir(path)
-    runner = ModelRunner(config, weights, args)
+    runner = ModelRunner(config, weights, args, shard=shard, reduce=group)
     name = BUILTIN_MODEL_NAME if args.model is None else path.name
     log.info("loaded %s from %s (%s on %s, %d pages of %d tokens, %d slots)",
              name, path, args.dtype, runner.device, runner.num_pages, args.page_size, runner.num_slots)
+    if group is not None:
+        log.info("rank %d of %d: %d bytes of weights (experts %d..%d of %d)", group.rank, group.size,
+                 sum(t.nbytes for t in weights.values()), shard.experts.start, shard.experts.stop - 1,
+                 config.n_routed_experts)
     return LoadedModel(name, config, tokenizer, runner)
+
+
+def checkpoint_path(args: ServerArgs) -> Path:
+    return Path(args.model) if args.model else builtin_tiny_checkpoint()
+
+
+def join_group(args: ServerArgs, rank: int, addr: str) -> TpGroup:
+    """Joins the group of `args.tp_size` ranks as `rank` (on CUDA, on the node's GPU of that rank)."""
+    per_node = args.tp_size // args.nnodes
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % per_node)
+        torch.cuda.set_device(device)
+    return TpGroup.join(rank, args.tp_size, addr, args.dist_timeout, ranks_per_node=per_node, device=device)
+
+
+def start_node(args: ServerArgs) -> tuple[TpGroup, RankProcesses]:
+    """This node's first rank: checks that the model shards `args.tp_size` ways (before any process
+    starts), starts the node's other ranks and joins the group."""
+    ShardPlan(ModelConfig.from_json(checkpoint_path(args)), 0, args.tp_size)
+    addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
+    per_node = args.tp_size // args.nnodes
+    first = args.node_rank * per_node
+    ranks = RankProcesses(args, addr, range(first + 1, first + per_node))
+    try:
+        group = join_group(args, first, addr)
+    except BaseException:
+        ranks.stop()
+        raise
+    group.dead_rank = lambda: ranks.wait_dead(1.0)
+    return group, ranks
 
 
 def builtin_tiny_checkpoint() -> Path:

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TOKEN_INTERVAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+_COLLECTIVE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.0, 10.0, 30.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -50,6 +51,10 @@ class EngineMetrics:
         self.request_errors = Counter(
             "dsv4_request_errors", "Requests ended by an error of their own while the engine went on, by stage",
             ["stage"], registry=r,
+        )
+        self.collective_seconds = Histogram(
+            "dsv4_collective_seconds", "Tensor parallelism: one collective on rank 0, by op",
+            ["op"], buckets=_COLLECTIVE_BUCKETS, registry=r,
         )
         # --verify-indexer
         self.indexer_verified = Counter(

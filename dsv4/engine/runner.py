@@ -19,6 +19,7 @@ from dsv4.memory.pools import StatePools
 from dsv4.model.indexer_check import IndexerVerifier
 from dsv4.model.model import PagedModel
 from dsv4.model.plan import build_plan
+from dsv4.model.sharding import Reducer, ShardPlan
 from dsv4.protocol import ForwardBatch
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -34,10 +35,12 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], args, *, kernels: bool | None = None):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], args, *, kernels: bool | None = None,
+                 shard: ShardPlan | None = None, reduce: Reducer | None = None):
         """`args`: a ServerArgs (dtype, page_size, max_running_requests, max_total_tokens, kv_cache_dtype,
         index_key_dtype, device, verify_indexer, verify_indexer_every are read). `kernels`: run the
-        model through `dsv4.kernels.dispatch` (default: on CUDA; see PagedModel)."""
+        model through `dsv4.kernels.dispatch` (default: on CUDA; see PagedModel). Under tensor
+        parallelism, `weights` are this rank's part (`shard`) and `reduce` sums across ranks."""
         self.cfg = cfg
         self.dtype = TORCH_DTYPES[args.dtype]
         self.device = resolve_device(args.device)
@@ -50,7 +53,7 @@ class ModelRunner:
                                 dtype=self.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                 index_key_dtype=args.index_key_dtype, device=self.device,
                                 fingerprint_index_keys=self.verify_indexer)
-        self.model = PagedModel(cfg, weights, self.dtype, self.pools, kernels=kernels)
+        self.model = PagedModel(cfg, weights, self.dtype, self.pools, kernels=kernels, shard=shard, reduce=reduce)
         self.indexer_check: IndexerVerifier | None = None  # of the last forward, when it was verified
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -1,9 +1,15 @@
-"""The lockstep tick: the engine's only step function (TP=1 for now; ARCHITECTURE.md invariant 1).
+"""The lockstep tick: the engine's only step function (ARCHITECTURE.md invariant 1).
 
     inbox (new requests, aborts) + deadline expiries
       -> Scheduler.schedule(): the immutable, sequence-numbered TickPlan
-      -> runner.forward(plan.batch) and sampling, in the forward thread
+      -> in the forward thread: [TP: broadcast the plan] -> runner.forward(plan.batch)
+         -> [TP: the consensus vector] -> sampling
       -> tokens, text and finishes delivered to each request's queue
+
+With --tp-size N this is rank 0's tick; the other ranks run its mirror (dsv4/engine/follower.py),
+collective for collective, on the plan they receive. Only rank 0 samples; the tokens reach the
+other ranks in the next plan's chunks. With a group, a tick runs even when idle (an empty plan at
+most every IDLE_WAKE_S), so a follower waiting for the next plan never waits past the deadline.
 
 Everything but the forward and sampling runs on the event loop thread, which is the only one that
 touches scheduler state; so aborts and deadlines take effect at tick boundaries by construction,
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +37,8 @@ from typing import TypeVar
 
 import torch
 
-from dsv4.config import FaultInjection
+from dsv4.config import FaultInjection, RankDelay
+from dsv4.dist.collectives import TpGroup
 from dsv4.engine.metrics import EngineMetrics
 from dsv4.engine.output import TextStream
 from dsv4.engine.request import AdmissionError, Request
@@ -42,6 +50,31 @@ from dsv4.protocol import RequestOutput, SamplingParams, TickPlan
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+
+
+def consensus(group: TpGroup, seq: int) -> list[int]:
+    """The tick's consensus vector, issued by every rank at the same point of every tick: slot r holds
+    the tick rank r completed."""
+    return group.agree({group.rank: seq}, group.size)
+
+
+class RankDelays:
+    """This rank's injected delays (`--fault-inject delay:rankR:PHASE:P:DURATION`), drawn from a
+    generator seeded per rank."""
+
+    def __init__(self, delays: tuple[RankDelay, ...], rank: int) -> None:
+        self._delays = [d for d in delays if d.rank == rank]
+        self._random = random.Random(rank)
+
+    def sleep(self, phase: str, tick: int) -> None:
+        for delay in self._delays:
+            if delay.phase == phase and self._random.random() < delay.probability:
+                log.info("injected delay of %.3f s at %s of tick %d", delay.seconds, phase, tick)
+                time.sleep(delay.seconds)
+
+
+def rank_faults(faults: FaultInjection, rank: int) -> RankDelays:
+    return RankDelays(faults.rank_delays, rank)
 
 
 class TickFailed(RuntimeError):
@@ -116,6 +149,7 @@ class Ticker:
         faults: FaultInjection | None = None,
         clock: Callable[[], float] = time.monotonic,
         verify_indexer: str = "off",
+        group: TpGroup | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -129,6 +163,9 @@ class Ticker:
         self._clock = clock
         self._verify_indexer = verify_indexer  # off | count | fail (ServerArgs.verify_indexer)
         self._decoding: dict[str, _Decoding] = {}
+        self._group = group
+        self._delays = rank_faults(self._faults, 0)
+        self.rank_ticks: list[int] = []  # TP: the last consensus vector (each rank's completed tick)
         # One thread: forwards run strictly in plan order, as every rank must apply them.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-forward")
 
@@ -153,7 +190,7 @@ class Ticker:
         for rid in plan.retracted:
             self.scheduler.get(rid).retracted_at = started
         self._metrics.preemptions.inc(len(plan.retracted))
-        if plan.batch.chunks:
+        if plan.batch.chunks or self._group is not None:  # every rank applies every plan
             tokens, indexer_check = await self._forward_and_sample(plan)
             self._postprocess(plan, tokens, indexer_check, self._clock())
         self._metrics.ticks.inc()
@@ -203,8 +240,9 @@ class Ticker:
             req.finish_reason, req.error, req.error_status = "error", error, 503
             self._end(req, self._clock())
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+    def close(self, wait: bool = False) -> None:
+        """Stops the forward thread after the forward in flight, if any (`wait`: until then)."""
+        self._executor.shutdown(wait=wait, cancel_futures=True)
 
     # -- forward and sample (worker thread) --------------------------------------------------------
     async def _forward_and_sample(self, plan: TickPlan) -> tuple[list[int | Exception], IndexerVerifier | None]:
@@ -227,8 +265,20 @@ class Ticker:
             time.sleep(self._faults.stall_seconds)
         if plan.seq == self._faults.crash_at_tick:
             raise InjectedFault(f"injected crash at tick {plan.seq}")
+        group = self._group
+        if group is not None:
+            self._delays.sleep("plan", plan.seq)
+            group.tick = plan.seq
+            group.broadcast_plan(plan)
+            self._delays.sleep("forward", plan.seq)
         with torch.inference_mode():
             logits = self.runner.forward(plan.batch)
+            if group is not None:
+                self._delays.sleep("consensus", plan.seq)
+                self.rank_ticks = consensus(group, plan.seq)
+                behind = [r for r, seq in enumerate(self.rank_ticks) if seq != plan.seq]
+                if behind:
+                    raise TickFailed(f"ranks {behind} did not complete tick {plan.seq}: {self.rank_ticks}")
             if logits.shape[0] != len(params):
                 raise TickFailed(f"runner returned {logits.shape[0]} rows of logits for {len(params)} sampled chunks")
             indexer_check = self.runner.indexer_check if self._verify_indexer != "off" else None

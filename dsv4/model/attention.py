@@ -23,24 +23,27 @@ from dsv4.kernels import dispatch
 from dsv4.kernels import rows as row_formats
 from dsv4.memory.pools import StatePools, put_rows, take_rows
 from dsv4.reference.attention import picks_mask
-from dsv4.reference.indexer import indexer_topk
 from dsv4.reference.ops import accumulation_dtype, linear, rms_norm
 from dsv4.reference.rope import apply_rope
 
 from .compressor import PagedCompressor
 from .indexer_check import IndexerSelection, SelectionSink
 from .plan import AttentionGroup, BatchPlan
+from .sharding import Reducer, ShardPlan
 
 _PLAIN_ROW_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
 class PagedAttention:
-    def __init__(self, cfg: ModelConfig, layer: int, w, inv_freq: torch.Tensor, pools: StatePools, *, kernels: bool):
-        """`w(name)` fetches this layer's tensor `attn.<name>`, already in the dtype its math runs in."""
+    def __init__(self, cfg: ModelConfig, layer: int, w, inv_freq: torch.Tensor, pools: StatePools, *, kernels: bool,
+                 shard: ShardPlan, reduce: Reducer | None):
+        """`w(name)` fetches this layer's tensor `attn.<name>` (this rank's part, `shard`), already in the
+        dtype its math runs in. `reduce` sums partial results across tensor-parallel ranks (None: TP=1)."""
         self.cfg, self.layer, self.inv_freq, self.pools, self.kernels = cfg, layer, inv_freq, pools, kernels
+        self.heads, self.o_groups, self.index_heads, self.reduce = shard.heads, shard.o_groups, shard.index_heads, reduce
         self.wq_a, self.q_norm, self.wq_b = w("wq_a.weight"), w("q_norm.weight"), w("wq_b.weight")
         self.wkv, self.kv_norm = w("wkv.weight"), w("kv_norm.weight")
-        self.wo_a = w("wo_a.weight").unflatten(0, (cfg.o_groups, -1))  # [G, o_lora_rank, heads/G * head_dim]
+        self.wo_a = w("wo_a.weight").unflatten(0, (self.o_groups, -1))  # [G, o_lora_rank, heads/G * head_dim]
         self.wo_b, self.sink = w("wo_b.weight"), w("attn_sink")
         kind = cfg.layer_kind(layer)
         self.ratio = cfg.compress_ratios[layer]
@@ -57,7 +60,7 @@ class PagedAttention:
         layer hands its indexer's inputs and selection to `on_selection` (--verify-indexer)."""
         cfg, pools, positions = self.cfg, self.pools, plan.positions
         qr = rms_norm(linear(x, self.wq_a), self.q_norm, cfg.rms_norm_eps)
-        q = linear(qr, self.wq_b).unflatten(-1, (cfg.num_heads, cfg.head_dim)).transpose(0, 1)
+        q = linear(qr, self.wq_b).unflatten(-1, (self.heads, cfg.head_dim)).transpose(0, 1)
         q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), positions, self.inv_freq)  # [H, T, D]
 
         kv = rms_norm(linear(x, self.wkv), self.kv_norm, cfg.rms_norm_eps)
@@ -90,16 +93,20 @@ class PagedAttention:
         put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
 
         out = apply_rope(out, positions, self.inv_freq, inverse=True).transpose(0, 1)  # [T, H, D]
-        grouped = out.flatten(1).unflatten(-1, (cfg.o_groups, -1))  # [T, G, heads/G * D]
+        grouped = out.flatten(1).unflatten(-1, (self.o_groups, -1))  # [T, G, heads/G * D]
         low_rank = torch.einsum("tgi,gri->tgr", grouped.to(self.wo_a.dtype), self.wo_a).flatten(1)
-        return linear(low_rank, self.wo_b)
+        out = linear(low_rank, self.wo_b)
+        return out if self.reduce is None else self.reduce.all_reduce_sum(out, "attn.out")  # this rank's groups' share
 
     def _attend_with_kernels(self, q: torch.Tensor, raw_rows: torch.Tensor, index_queries, plan: BatchPlan,
                              on_selection: SelectionSink | None) -> torch.Tensor:
         """q [H, T, D], raw_rows [T, row_bytes] -> attention output [H, T, D], the whole batch at once."""
         cfg, pools = self.cfg, self.pools
         selected = None
-        if index_queries is not None:
+        if index_queries is not None and self.reduce is not None:  # scores summed across ranks first
+            selected = _token_picks([self._picks(group, index_queries, plan.positions) for group in plan.groups],
+                                    cfg.index_topk)
+        elif index_queries is not None:
             selected = dispatch.indexer_topk(*index_queries, pools.index_keys(self.layer), pools.index_format,
                                              plan.page_table, plan.token_chunk, plan.positions, cfg.index_topk)
             if on_selection is not None:
@@ -140,7 +147,7 @@ class PagedAttention:
 
     def _index_queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor):
         cfg = self.cfg
-        q = linear(qr, self.index_wq_b).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+        q = linear(qr, self.index_wq_b).unflatten(-1, (self.index_heads, cfg.index_head_dim))
         q = apply_rope(q.transpose(0, 1), positions, self.inv_freq).transpose(0, 1)  # [T, heads, dim]
         scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
         weights = linear(x, self.index_weights_proj).to(accumulation_dtype(x.dtype)) * scale
@@ -152,8 +159,10 @@ class PagedAttention:
         stored = take_rows(self.pools.index_keys(self.layer), seen.pages, seen.page_rows)
         keys = row_formats.unpack_index_rows(stored.flatten(0, 1), self.pools.index_format, cfg.index_head_dim)
         q, weights = index_queries
-        return indexer_topk(group.rows(q), group.rows(weights), keys.unflatten(0, stored.shape[:2]),
-                            group.rows(positions), self.ratio, cfg.index_topk)
+        scores = _indexer_scores(group.rows(q), group.rows(weights), keys.unflatten(0, stored.shape[:2]))
+        if self.reduce is not None:  # this rank's heads' share: a top-k over a partial score would be wrong
+            scores = self.reduce.all_reduce_sum(scores, "indexer.scores")
+        return _top_rows(scores, group.rows(positions), self.ratio, cfg.index_topk)
 
     def _gather_main_rows(self, pool: torch.Tensor, index: tuple[torch.Tensor, ...], exists: torch.Tensor):
         """pool[index] as the cache returns it, [*index shape, head_dim]; rows that do not exist (before
@@ -168,6 +177,23 @@ class PagedAttention:
         if fmt in _PLAIN_ROW_DTYPES:  # rows stored as-is: a view, not unpack's copy
             return packed.view(_PLAIN_ROW_DTYPES[fmt])
         return row_formats.unpack_main_rows(packed, fmt, cfg.head_dim, cfg.rope_head_dim)
+
+
+def _indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [B, S, H, D] index queries, weights [B, S, H] (scaled), keys [B, N, D] -> scores [B, S, N] in at
+    least fp32: sum over the heads given of w[h] * relu(q[h] . k)."""
+    acc = accumulation_dtype(q.dtype)
+    per_head = torch.einsum("bshd,bnd->bshn", q.to(acc), keys.to(acc)).relu()
+    return torch.einsum("bshn,bsh->bsn", per_head, weights.to(acc))
+
+
+def _top_rows(scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int) -> torch.Tensor:
+    """[B, S, min(topk, N)] the best-scoring complete rows (s < (t + 1) // ratio) of each query, best
+    first; a query with fewer complete rows gets -1 in its surplus places."""
+    num_rows = scores.shape[-1]
+    visible = torch.arange(num_rows, device=positions.device) < ((positions + 1) // ratio).unsqueeze(-1)
+    picks = scores.masked_fill(~visible, float("-inf")).topk(min(topk, num_rows), dim=-1).indices
+    return torch.where(picks < visible.sum(dim=-1, keepdim=True), picks, torch.full_like(picks, -1))
 
 
 def _token_picks(group_picks: list[torch.Tensor], topk: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from .attention import PagedAttention
 from .indexer_check import SelectionSink
 from .moe import GroupedMoE
 from .plan import BatchPlan
+from .sharding import Reducer, ShardPlan
 
 # Tensors kept in at least fp32 whatever the compute dtype, as the reference keeps them: they feed
 # the fp32 math (mHC, norms, sinks, compressor scores, routing).
@@ -29,15 +30,17 @@ _FULL_PRECISION_SUFFIXES = ("_fn", "_base", "_scale", "norm.weight", "attn_sink"
 
 class PagedModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, pools: StatePools,
-                 *, kernels: bool | None = None):
+                 *, kernels: bool | None = None, shard: ShardPlan | None = None, reduce: Reducer | None = None):
         """`kernels`: attention, indexer and compressor inserts through `dsv4.kernels.dispatch` (Triton
-        on CUDA); default: when the pools are on CUDA."""
+        on CUDA); default: when the pools are on CUDA. `weights` hold this rank's part (`shard`, default
+        all of it); `reduce` sums partial results across tensor-parallel ranks (None: TP=1)."""
         self.cfg = cfg
+        shard = shard or ShardPlan(cfg)
         self.kernels = pools.device.type == "cuda" if kernels is None else kernels
         w = _WeightReader(weights, dtype, accumulation_dtype(dtype), pools.device)
         self.embed, self.head, self.norm = w("embed.weight"), w("head.weight"), w("norm.weight")
         self.hc_head_weights = (w("hc_head_fn"), w("hc_head_base"), w("hc_head_scale"))
-        self.blocks = [_Block(cfg, i, w, pools, self.kernels) for i in range(cfg.num_layers)]
+        self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce) for i in range(cfg.num_layers)]
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan, on_selection: SelectionSink | None = None) -> torch.Tensor:
@@ -56,13 +59,15 @@ class PagedModel:
 class _Block:
     """One decoder layer: mHC around attention, then mHC around the MoE."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, w, pools: StatePools, kernels: bool):
+    def __init__(self, cfg: ModelConfig, layer: int, w, pools: StatePools, kernels: bool, shard: ShardPlan,
+                 reduce: Reducer | None):
         self.eps = cfg.rms_norm_eps
         self.attn_hc, self.ffn_hc = layer_hyper_connections(cfg, w, layer)
         self.attn_norm, self.ffn_norm = w(f"layers.{layer}.attn_norm.weight"), w(f"layers.{layer}.ffn_norm.weight")
         self.attn = PagedAttention(cfg, layer, w.under(f"layers.{layer}.attn."),
-                                   layer_inv_freq(cfg, layer).to(pools.device), pools, kernels=kernels)
-        self.ffn = GroupedMoE(cfg, layer, w.under(f"layers.{layer}.ffn."))
+                                   layer_inv_freq(cfg, layer).to(pools.device), pools, kernels=kernels,
+                                   shard=shard, reduce=reduce)
+        self.ffn = GroupedMoE(cfg, layer, w.under(f"layers.{layer}.ffn."), shard=shard, reduce=reduce)
 
     def __call__(self, streams: torch.Tensor, plan: BatchPlan, on_selection: SelectionSink | None) -> torch.Tensor:
         """streams [1, T, hc, hidden]: the batch's tokens as one sequence of independent rows."""

@@ -1,6 +1,9 @@
 """The MoE feed-forward, batched by expert: every (token, pick) pair is sorted by expert, each expert
 runs once over its tokens with its gate and up projections fused, and the results are summed back.
-Routing is the reference's (`dsv4.reference.moe.route`)."""
+Routing is the reference's (`dsv4.reference.moe.route`).
+
+Under tensor parallelism (`dsv4.model.sharding`) every rank routes every token the same way but runs
+only its own experts and its share of the shared expert; the partial sums meet in one all_reduce."""
 
 from __future__ import annotations
 
@@ -11,15 +14,18 @@ from dsv4.config import ModelConfig
 from dsv4.reference.moe import route
 from dsv4.reference.ops import linear
 
+from .sharding import Reducer, ShardPlan
+
 
 class GroupedMoE:
-    def __init__(self, cfg: ModelConfig, layer: int, w):
-        """`w(name)` fetches this layer's tensor `ffn.<name>`, already in the dtype its math runs in."""
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, layer: int, w, *, shard: ShardPlan, reduce: Reducer | None):
+        """`w(name)` fetches this layer's tensor `ffn.<name>` (this rank's part, `shard`), already in the
+        dtype its math runs in. `reduce` sums partial results across tensor-parallel ranks (None: TP=1)."""
+        self.cfg, self.reduce = cfg, reduce
         self.gate = w("gate.weight")
         self.bias = None if cfg.is_hash_layer(layer) else w("gate.bias")
         self.tid2eid = w("gate.tid2eid") if cfg.is_hash_layer(layer) else None
-        experts = range(cfg.n_routed_experts)
+        experts = self.experts = shard.experts
         # [E, 2 * inter, hidden]: w1 (gate) rows then w3 (up) rows; [E, hidden, inter]
         self.w13 = torch.stack([torch.cat([w(f"experts.{e}.w1.weight"), w(f"experts.{e}.w3.weight")]) for e in experts])
         self.w2 = torch.stack([w(f"experts.{e}.w2.weight") for e in experts])
@@ -34,16 +40,23 @@ class GroupedMoE:
         experts, weights = route(x, self.gate, bias=self.bias, tid2eid=self.tid2eid, token_ids=token_ids,
                                  top_k=cfg.num_experts_per_tok, score_func=cfg.scoring_func,
                                  normalise=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
-        # Stable sort by expert: each token's picks are then summed in ascending expert order.
-        order = torch.argsort(experts.flatten(), stable=True)
+        # Stable sort by expert: each token's picks are then summed in ascending expert order. Only
+        # this rank's experts' picks are kept.
+        first, count = self.experts.start, len(self.experts)
+        local = experts.flatten() - first
+        order = torch.argsort(local, stable=True)
+        order = order[(local[order] >= 0) & (local[order] < count)]
         tokens = order // cfg.num_experts_per_tok
-        counts = torch.bincount(experts.flatten(), minlength=cfg.n_routed_experts).tolist()
+        counts = torch.bincount(local[order], minlength=count).tolist()
         inputs = x[tokens].split(counts)
+        out = torch.zeros_like(x, dtype=weights.dtype)
         outputs = [self._expert(inp, self.w13[e], self.w2[e]) for e, inp in enumerate(inputs) if inp.shape[0]]
-        routed = torch.cat(outputs).to(weights.dtype) * weights.flatten()[order].unsqueeze(-1)
-        out = torch.zeros_like(x, dtype=weights.dtype).index_add_(0, tokens, routed)
+        if outputs:
+            out.index_add_(0, tokens, torch.cat(outputs).to(weights.dtype) * weights.flatten()[order].unsqueeze(-1))
         if self.shared is not None:
             out = out + self._expert(x, *self.shared).to(out.dtype)
+        if self.reduce is not None:
+            out = self.reduce.all_reduce_sum(out, "ffn.out")
         return out.to(x.dtype)
 
     def _expert(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 PROTOCOL_VERSION = 1
+GREEDY_TEMPERATURE = 1e-5
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -23,10 +24,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # Generated ids whose text is not output, though they count as tokens: the chat layer hides the
     # think markers that cannot legitimately appear where they were generated (stray markers).
     hidden_token_ids: tuple[int, ...] = ()
+    # Logits processors, applied before temperature and greedy alike (OpenAI and vLLM semantics):
+    # presence and frequency penalties over the generated tokens, the repetition penalty over the
+    # prompt and generated tokens, additive biases; min_p cuts after temperature.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below vLLM's sampling epsilon a temperature only turns logits into infinities.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def needs_history(self) -> bool:
+        """The penalties read the tokens a request has seen."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 class ForwardChunk(msgspec.Struct, frozen=True, kw_only=True):

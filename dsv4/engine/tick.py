@@ -42,7 +42,7 @@ from dsv4.dist.collectives import TpGroup
 from dsv4.engine.metrics import EngineMetrics
 from dsv4.engine.output import TextStream
 from dsv4.engine.request import AdmissionError, Request
-from dsv4.engine.sampling import sample, stop_reason
+from dsv4.engine.sampling import History, sample, stop_reason
 from dsv4.engine.scheduler import Scheduler
 from dsv4.model.indexer_check import IndexerVerifier
 from dsv4.protocol import RequestOutput, SamplingParams, TickPlan
@@ -249,7 +249,9 @@ class Ticker:
         sampled = [self.scheduler.get(c.rid) for c in plan.batch.chunks if c.sample]
         params = [r.sampling for r in sampled]
         positions = [r.num_tokens for r in sampled]  # where each sampled token will stand
-        work = asyncio.get_running_loop().run_in_executor(self._executor, self._run, plan, params, positions)
+        histories = [(r.prompt_ids, tuple(r.output_ids)) if r.sampling.needs_history else None for r in sampled]
+        work = asyncio.get_running_loop().run_in_executor(self._executor, self._run, plan, params, positions,
+                                                          histories)
         try:
             async with asyncio.timeout(self._forward_deadline):
                 return await work
@@ -258,8 +260,8 @@ class Ticker:
                 f"forward of tick {plan.seq} did not return within {self._forward_deadline:.0f} s"
             ) from None
 
-    def _run(self, plan: TickPlan, params: list[SamplingParams],
-             positions: list[int]) -> tuple[list[int | Exception], IndexerVerifier | None]:
+    def _run(self, plan: TickPlan, params: list[SamplingParams], positions: list[int],
+             histories: list[History | None]) -> tuple[list[int | Exception], IndexerVerifier | None]:
         """The sampled tokens, and the runner's indexer check of this forward (None when not verified)."""
         if plan.seq == self._faults.stall_at_tick:
             time.sleep(self._faults.stall_seconds)
@@ -282,7 +284,7 @@ class Ticker:
             if logits.shape[0] != len(params):
                 raise TickFailed(f"runner returned {logits.shape[0]} rows of logits for {len(params)} sampled chunks")
             indexer_check = self.runner.indexer_check if self._verify_indexer != "off" else None
-            return _sample_isolated(logits, params, positions), indexer_check
+            return _sample_isolated(logits, params, positions, histories), indexer_check
 
     # -- delivery (event loop) --------------------------------------------------------------------------
     def _postprocess(self, plan: TickPlan, tokens: list[int | Exception], indexer_check: IndexerVerifier | None,
@@ -390,18 +392,18 @@ class Ticker:
         self._metrics.e2e_latency.observe(now - req.arrival)
 
 
-def _sample_isolated(logits: torch.Tensor, params: list[SamplingParams],
-                     positions: list[int]) -> list[int | Exception]:
+def _sample_isolated(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+                     histories: list[History | None]) -> list[int | Exception]:
     """Samples the batch; if that fails, samples row by row so that only the rows whose own
     parameters break sampling fail (an Exception in their place)."""
     try:
-        return sample(logits, params, positions)
+        return sample(logits, params, positions, histories)
     except Exception:
         log.exception("batched sampling failed; sampling row by row to isolate the request")
     tokens: list[int | Exception] = []
-    for i, (p, position) in enumerate(zip(params, positions, strict=True)):
+    for i, (p, position, history) in enumerate(zip(params, positions, histories, strict=True)):
         try:
-            tokens += sample(logits[i : i + 1], [p], [position])
+            tokens += sample(logits[i : i + 1], [p], [position], [history])
         except Exception as e:  # noqa: BLE001 -- this row's failure is its request's, reported with it
             tokens.append(e)
     return tokens

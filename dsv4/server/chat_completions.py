@@ -32,7 +32,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body: v.ChatCompletionBody = await v.decode_body(request, v.ChatCompletionBody, args)
     v.check_model(body.model, engine.model_name)
     v.check_single_choice(body.n)
-    v.refuse_unimplemented_sampling(body)
     if body.logprobs or body.top_logprobs:
         param = "logprobs" if body.logprobs else "top_logprobs"
         raise bad_request("logprobs are not supported", param=param, code="unsupported_parameter")
@@ -43,9 +42,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if max_tokens is None:
         max_tokens = max(engine.max_context - len(input_ids), 1)  # OpenAI's default: the rest of the context
     sampling = v.make_sampling(
-        max_new_tokens=max_tokens, tokens_param=tokens_param, temperature=body.temperature, top_p=body.top_p,
-        top_k=body.top_k, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos, vocab_size=engine.model_config.vocab_size,
+        body, max_new_tokens=max_tokens, tokens_param=tokens_param, vocab_size=engine.model_config.vocab_size,
         hidden_token_ids=stray_think_markers(engine.tokenizer, prompt.thinking),
     )
     v.check_fits(len(input_ids), max_tokens, engine.max_context, "messages", tokens_param)

@@ -29,16 +29,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body: v.CompletionBody = await v.decode_body(request, v.CompletionBody, args)
     v.check_model(body.model, engine.model_name)
     v.check_single_choice(body.n)
-    v.refuse_unimplemented_sampling(body)
     _check_unsupported(body)
     input_ids = await _prompt_ids(body.prompt, engine)
     v.check_prompt_ids(input_ids, engine.model_config.vocab_size, "prompt")
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    sampling = v.make_sampling(
-        max_new_tokens=max_tokens, tokens_param="max_tokens", temperature=body.temperature, top_p=body.top_p,
-        top_k=body.top_k, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos, vocab_size=engine.model_config.vocab_size,
-    )
+    sampling = v.make_sampling(body, max_new_tokens=max_tokens, tokens_param="max_tokens",
+                               vocab_size=engine.model_config.vocab_size)
     v.check_fits(len(input_ids), max_tokens, engine.max_context, "prompt", "max_tokens")
     chunk = _ChunkBuilder(f"cmpl-{request[REQUEST_ID]}", engine.model_name, len(input_ids))
     async with engine_call(request, input_ids, sampling, "prompt") as call:

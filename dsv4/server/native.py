@@ -27,12 +27,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     v.check_prompt_ids(input_ids, engine.model_config.vocab_size, prompt_param)
     params = body.sampling_params
     tokens_param = "sampling_params.max_new_tokens"
-    sampling = v.make_sampling(
-        max_new_tokens=params.max_new_tokens, tokens_param=tokens_param, temperature=params.temperature,
-        top_p=params.top_p, top_k=params.top_k, seed=params.seed, stop=params.stop,
-        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-        vocab_size=engine.model_config.vocab_size, field_prefix="sampling_params.",
-    )
+    sampling = v.make_sampling(params, max_new_tokens=params.max_new_tokens, tokens_param=tokens_param,
+                               vocab_size=engine.model_config.vocab_size, field_prefix="sampling_params.")
     v.check_fits(len(input_ids), params.max_new_tokens, engine.max_context, prompt_param, tokens_param)
     result = _ResultBuilder(request[REQUEST_ID], len(input_ids))
     async with engine_call(request, input_ids, sampling, prompt_param) as call:

@@ -112,8 +112,7 @@ class OpenAISampling(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
-    # Declared with their documented ranges so that a value out of range is a 400; any value other
-    # than the neutral one is refused (refuse_unimplemented_sampling) until sampling implements them.
+    # Logits processors, with their documented ranges.
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None  # extension
@@ -146,6 +145,8 @@ class CompletionBody(OpenAISampling, kw_only=True):
 
 
 class NativeSampling(msgspec.Struct, kw_only=True):
+    """SGLang's `sampling_params`."""
+
     max_new_tokens: Count = 128
     temperature: Temperature = 1.0
     top_p: Probability = 1.0
@@ -154,6 +155,11 @@ class NativeSampling(msgspec.Struct, kw_only=True):
     stop_token_ids: list[Count] | None = None
     seed: Seed | None = None
     ignore_eos: bool = False
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_p: Probability = 0.0
+    logit_bias: dict[str, LogitBias] | None = None
 
 
 class GenerateBody(msgspec.Struct, kw_only=True):
@@ -284,55 +290,55 @@ def check_fits(prompt_len: int, max_new_tokens: int, max_context: int, prompt_pa
 
 
 def make_sampling(
+    fields: OpenAISampling | NativeSampling,
     *,
     max_new_tokens: int,
     tokens_param: str,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-    stop: str | list[str] | None,
-    stop_token_ids: list[int] | None,
-    ignore_eos: bool,
     vocab_size: int,
     field_prefix: str = "",
     hidden_token_ids: tuple[int, ...] = (),
 ) -> SamplingParams:
-    """`field_prefix` names where the sampling fields sit in the body ("sampling_params." natively)."""
+    """The engine's sampling parameters from a body's sampling fields (the OpenAI routes and the
+    native `sampling_params` share their names); `field_prefix` names where those fields sit in the
+    body ("sampling_params." natively)."""
     f = field_prefix
     if max_new_tokens < 1:
         raise bad_request(f"{tokens_param} must be at least 1, got {max_new_tokens}", param=tokens_param)
-    # The ranges of temperature, top_k and the stop list are enforced when the body is decoded.
-    if top_p == 0.0:
+    # Every other range is enforced when the body is decoded.
+    if fields.top_p == 0.0:
         raise bad_request("top_p must be within (0, 1], got 0", param=f + "top_p")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    stops = (fields.stop,) if isinstance(fields.stop, str) else tuple(fields.stop or ())
     if any(not s for s in stops):
         raise bad_request("stop sequences must not be empty", param=f + "stop")
-    for token in stop_token_ids or ():
+    for token in fields.stop_token_ids or ():
         if not 0 <= token < vocab_size:
             raise bad_request(f"stop token id {token} is outside the vocabulary", param=f + "stop_token_ids")
     return SamplingParams(
         max_new_tokens=max_new_tokens,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=-1 if not top_k else top_k,  # 0 means "no cut" too, as in vLLM
-        seed=seed,
+        temperature=1.0 if fields.temperature is None else fields.temperature,
+        top_p=1.0 if fields.top_p is None else fields.top_p,
+        top_k=-1 if not fields.top_k else fields.top_k,  # 0 means "no cut" too, as in vLLM
+        seed=fields.seed,
         stop=stops,
-        stop_token_ids=tuple(stop_token_ids or ()),
-        ignore_eos=ignore_eos,
+        stop_token_ids=tuple(fields.stop_token_ids or ()),
+        ignore_eos=fields.ignore_eos,
         hidden_token_ids=hidden_token_ids,
+        presence_penalty=fields.presence_penalty or 0.0,
+        frequency_penalty=fields.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if fields.repetition_penalty is None else fields.repetition_penalty,
+        min_p=fields.min_p or 0.0,
+        logit_bias=_logit_bias(fields.logit_bias, vocab_size, f + "logit_bias"),
     )
 
 
-def refuse_unimplemented_sampling(body: OpenAISampling) -> None:
-    """Refuses the sampling processors dsv4 does not implement yet, instead of ignoring them."""
-    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
-    for name, value in neutral.items():
-        if getattr(body, name) not in (None, value):
-            raise bad_request(f"{name} is not supported yet; omit it or send {value}", param=name,
-                              code="unsupported_parameter")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported yet", param="logit_bias", code="unsupported_parameter")
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int, param: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI sends token ids as the keys of a JSON object, hence strings."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isascii() or not key.isdigit() or not int(key) < vocab_size:
+            raise bad_request(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})", param=param)
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 def check_single_choice(n: int) -> None:

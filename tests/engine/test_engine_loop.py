@@ -5,7 +5,7 @@ import random
 import time
 
 import pytest
-from fakes import ScriptedRunner, fake_greedy
+from fakes import ScriptedRunner, fake_greedy, next_token
 
 from dsv4.config import ServerArgs
 from dsv4.engine.engine import Engine
@@ -193,10 +193,10 @@ async def test_a_requests_error_ends_that_request_alone(make_engine, monkeypatch
 
     real_sample = tick.sample
 
-    def sample_refusing_top_k_7(logits, params, positions):
+    def sample_refusing_top_k_7(logits, params, *args):
         if any(p.top_k == 7 for p in params):
             raise ValueError("no sampler takes top_k 7")
-        return real_sample(logits, params, positions)
+        return real_sample(logits, params, *args)
 
     monkeypatch.setattr(tick, "sample", sample_refusing_top_k_7)
     real_detokenizer = engine._ticker._new_detokenizer
@@ -234,3 +234,29 @@ async def test_a_requests_error_ends_that_request_alone(make_engine, monkeypatch
     async with asyncio.timeout(10):
         outputs = await collect(engine.submit(greedy_request("after", [3, 4, 5])))
     assert outputs[-1].finish_reason == "length"
+
+
+async def test_logits_processors_apply_through_the_tick(make_engine):
+    """The tick hands each request's token history to the sampler: a bias forces a token, and a
+    presence penalty takes the scripted logits where a plain simulation of it goes."""
+    engine = await make_engine()
+    forced = GenerationRequest(rid="bias", input_ids=(5, 6, 7), sampling=SamplingParams(
+        max_new_tokens=5, temperature=0.0, ignore_eos=True, logit_bias=((42, 10.0),)))
+    fresh = GenerationRequest(rid="presence", input_ids=(5, 6, 7), sampling=SamplingParams(
+        max_new_tokens=40, temperature=0.0, ignore_eos=True, presence_penalty=-5.0))
+    plain = greedy_request("plain", [5, 6, 7], max_new=40, ignore_eos=True)
+    async with asyncio.timeout(30):
+        results = await asyncio.gather(*(collect(engine.submit(r)) for r in (forced, fresh, plain)))
+    tokens = [[t for out in outputs for t in out.token_ids] for outputs in results]
+    assert tokens[0] == [42] * 5
+    vocab, avoid = engine.model_config.vocab_size, engine.runner.avoid
+    history, expected = [5, 6, 7], []
+    for _ in range(40):  # the scripted runner's logits: 4.0 on next_token, 0 elsewhere
+        scores = [0.0] * vocab
+        scores[next_token(history, vocab, avoid)] = 4.0
+        for t in set(expected):
+            scores[t] -= -5.0  # a negative presence penalty favours what was generated
+        expected.append(max(range(vocab), key=scores.__getitem__))
+        history.append(expected[-1])
+    assert tokens[1] == expected
+    assert tokens[2] == fake_greedy([5, 6, 7], 40, vocab, avoid) != expected

@@ -80,3 +80,65 @@ def test_stop_reasons():
     assert stop_reason(5, 2, p, eos) is None
     assert stop_reason(5, 3, p, eos) == "length"
     assert stop_reason(1, 1, SamplingParams(ignore_eos=True), eos) is None
+
+
+def plain_processors(row: list[float], p: SamplingParams, prompt: list[int], generated: list[int]) -> list[float]:
+    """One row, one token at a time, as the OpenAI and vLLM docs describe the processors."""
+    row = list(row)
+    for token, bias in p.logit_bias:
+        row[token] += bias
+    for token in set(prompt) | set(generated):
+        row[token] = row[token] / p.repetition_penalty if row[token] > 0 else row[token] * p.repetition_penalty
+    for token in set(generated):
+        row[token] -= p.frequency_penalty * generated.count(token) + p.presence_penalty
+    return row
+
+
+PROCESSED = [
+    SamplingParams(temperature=0.0, presence_penalty=1.5),
+    SamplingParams(temperature=0.0, frequency_penalty=0.7),
+    SamplingParams(temperature=0.0, frequency_penalty=-0.4, presence_penalty=-2.0),
+    SamplingParams(temperature=0.0, repetition_penalty=1.8),
+    SamplingParams(temperature=0.0, repetition_penalty=0.6),
+    SamplingParams(temperature=0.0, logit_bias=((3, 100.0), (7, -100.0), (3, -1.0))),
+    SamplingParams(temperature=0.0, logit_bias=((9, 2.5),), repetition_penalty=1.3, frequency_penalty=0.2,
+                   presence_penalty=0.1),
+    SamplingParams(temperature=0.0),  # untouched in the same batch
+]
+
+
+def test_processors_match_a_plain_implementation():
+    from dsv4.engine.sampling import apply_processors
+
+    x = logits(batch=len(PROCESSED), seed=3) * 3
+    prompt, generated = [1, 2, 2, 9, 40], [7, 7, 7, 3, 11, 2, 9]
+    histories = [(prompt, generated)] * len(PROCESSED)
+    got = apply_processors(x, PROCESSED, histories)
+    for i, p in enumerate(PROCESSED):
+        want = torch.tensor(plain_processors(x[i].tolist(), p, prompt, generated))
+        torch.testing.assert_close(got[i], want, rtol=0, atol=1e-5)
+    assert torch.equal(got[-1], x[-1])
+    # and greedy sampling follows the processed logits
+    assert sample(x, PROCESSED, [0] * len(PROCESSED), histories) == got.argmax(-1).tolist()
+    assert sample(x, PROCESSED, [0] * len(PROCESSED), histories)[5] == 3  # the +100 bias wins
+
+
+def test_processors_cost_nothing_without_them():
+    from dsv4.engine.sampling import apply_processors
+
+    x = logits()
+    assert apply_processors(x, [SamplingParams()] * 4, [None] * 4) is x
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top_probability():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    params = [SamplingParams(temperature=1.0, min_p=0.35, seed=0)]  # keeps p >= 0.175
+    seen = {sample(probs.log(), params, [p])[0] for p in range(300)}
+    assert seen == {0, 1}
+    everything = {sample(probs.log(), [SamplingParams(temperature=1.0, seed=0)], [p])[0] for p in range(300)}
+    assert everything == {0, 1, 2, 3}
+
+
+def test_a_tiny_temperature_is_greedy():
+    x = logits()
+    assert sample(x, [SamplingParams(temperature=1e-300, seed=1)] * 4, [0] * 4) == x.argmax(-1).tolist()

@@ -85,15 +85,17 @@ BAD_BODIES = [
     (CHAT, {"messages": HELLO, "stop": ["s"] * 17}, 400, "stop", "invalid_value"),
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [2**65]}, 400, "stop_token_ids[0]", "invalid_value"),
     (COMPLETIONS, {"prompt": "hi", "best_of": -(2**64)}, 400, "best_of", "invalid_value"),
-    # Penalties: out of range is invalid; in range but not neutral is refused, never ignored.
+    # Logits processors: their documented ranges, and logit_bias keys that name token ids.
     (CHAT, {"messages": HELLO, "presence_penalty": 2.5}, 400, "presence_penalty", "invalid_value"),
     (CHAT, {"messages": HELLO, "frequency_penalty": -3}, 400, "frequency_penalty", "invalid_value"),
     (CHAT, {"messages": HELLO, "repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value"),
+    (COMPLETIONS, {"prompt": "hi", "min_p": 1.5}, 400, "min_p", "invalid_value"),
     (CHAT, {"messages": HELLO, "logit_bias": {"5": 101}}, 400, "logit_bias[...]", "invalid_value"),
-    (CHAT, {"messages": HELLO, "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
-    (COMPLETIONS, {"prompt": "hi", "frequency_penalty": 1}, 400, "frequency_penalty", "unsupported_parameter"),
-    (COMPLETIONS, {"prompt": "hi", "min_p": 0.1}, 400, "min_p", "unsupported_parameter"),
-    (CHAT, {"messages": HELLO, "logit_bias": {"5": 1}}, 400, "logit_bias", "unsupported_parameter"),
+    *[(CHAT, {"messages": HELLO, "logit_bias": {key: 1}}, 400, "logit_bias", None)
+      for key in ("x", "-1", "1.5", "99999999", "٣")],
+    (GENERATE, {"text": "hi", "sampling_params": {"repetition_penalty": 3}}, 400,
+     "sampling_params.repetition_penalty", "invalid_value"),
+    (GENERATE, {"text": "hi", "sampling_params": {"logit_bias": {"z": 1}}}, 400, "sampling_params.logit_bias", None),
     # Chat structure: a tool result answers a call made just before it; call arguments are JSON.
     (CHAT, {"messages": [*HELLO, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, 400,
      "messages[1].role", None),
@@ -228,6 +230,20 @@ async def test_edge_of_range_values_are_accepted(client, engine):
         response = await client.post(CHAT, json=body)
         assert response.status == 200, await response.text()
     assert [r.sampling.seed for r in engine.submitted] == [2**63 - 1, -(2**63), 0]
+
+
+@pytest.mark.parametrize("route,body,prefix", [
+    (CHAT, {"messages": HELLO}, ""), (COMPLETIONS, {"prompt": "hi"}, ""), (GENERATE, {"text": "hi"}, "sampling_params")])
+async def test_logits_processors_reach_the_engine(client, engine, route, body, prefix):
+    fields = {"presence_penalty": 1.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_p": 0.05,
+              "logit_bias": {"5": -100, "17": 2.5}}
+    body = {**body, prefix: fields} if prefix else {**body, **fields}
+    response = await client.post(route, json=body)
+    assert response.status == 200, await response.text()
+    sampling = engine.submitted[-1].sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty, sampling.min_p) == (
+        1.5, -0.5, 1.2, 0.05)
+    assert sampling.logit_bias == ((5, -100.0), (17, 2.5))
 
 
 async def test_good_requests_still_work_after_bad_ones(client):

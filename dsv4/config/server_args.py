@@ -59,7 +59,8 @@ class ServerArgs:
     nnodes: int = 1  # machines the ranks span; ranks are split evenly, node 0 serves HTTP
     node_rank: int = 0
     dist_init_addr: str | None = None  # HOST:PORT of rank 0's rendezvous; None: a free port on 127.0.0.1
-    dist_timeout: float = 30.0  # deadline of every collective (and of joining the group), seconds
+    dist_timeout: float = 30.0  # deadline of every collective, seconds
+    dist_join_timeout: float = 120.0  # every rank must have joined the group this long after rank 0 starts
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -134,8 +135,8 @@ class ServerArgs:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ConfigError(f"--dist-init-addr {self.dist_init_addr!r}: expected HOST:PORT")
-        if self.dist_timeout <= 0:
-            raise ConfigError("--dist-timeout must be positive")
+        if self.dist_timeout <= 0 or self.dist_join_timeout <= 0:
+            raise ConfigError("--dist-timeout and --dist-join-timeout must be positive")
 
     @property
     def faults(self) -> FaultInjection:
@@ -200,7 +201,9 @@ class ServerArgs:
         add("--dist-init-addr", default=d.dist_init_addr, metavar="HOST:PORT",
             help="rank 0's rendezvous address (needed with --nnodes > 1)")
         add("--dist-timeout", type=float, default=d.dist_timeout,
-            help="seconds any collective (and joining the group) may take before the group stops, naming the rank")
+            help="seconds any collective may take before the group stops, naming the rank")
+        add("--dist-join-timeout", type=float, default=d.dist_join_timeout,
+            help="seconds every rank (every node) has to join the group at startup before it fails, naming them")
 
     @classmethod
     def from_cli(cls, namespace) -> ServerArgs:

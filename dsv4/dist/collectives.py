@@ -49,38 +49,38 @@ class TpGroup:
         self._plan_decoder = msgspec.msgpack.Decoder(TickPlan)
 
     @classmethod
-    def join(cls, rank: int, size: int, addr: str, timeout: float, *, ranks_per_node: int,
+    def join(cls, rank: int, size: int, addr: str, timeout: float, *, join_timeout: float, ranks_per_node: int,
              device: torch.device) -> TpGroup:
         """Forms the group through rank 0's store at `addr` (HOST:PORT, rank 0 listens there); waits at
-        most `timeout` seconds for every rank, then names the ranks that never joined."""
+        most `join_timeout` seconds for every rank, then names the ranks that never joined. `timeout`:
+        every collective's deadline."""
         host, _, port = addr.rpartition(":")
-        deadline = datetime.timedelta(seconds=timeout)
         try:
-            store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=deadline,
-                                  wait_for_workers=False)
+            store = dist.TCPStore(host, int(port), size, is_master=rank == 0,
+                                  timeout=datetime.timedelta(seconds=join_timeout), wait_for_workers=False)
         except (RuntimeError, dist.DistError) as e:
-            raise GroupError(f"rank {rank}: could not reach rank 0's rendezvous at {addr} within {timeout:g} s "
+            raise GroupError(f"rank {rank}: could not reach rank 0's rendezvous at {addr} within {join_timeout:g} s "
                              f"({type(e).__name__}: {e})") from None
         store.set(f"joined/{rank}", "1")
         group = cls(rank, size, ranks_per_node, timeout, device)
         if rank == 0:
-            group._await_ranks(store, addr)
+            group._await_ranks(store, addr, join_timeout)
         backend = "nccl" if device.type == "cuda" else "gloo"
         try:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=deadline)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                    timeout=datetime.timedelta(seconds=timeout))
         except (RuntimeError, dist.DistError) as e:
-            raise GroupError(f"rank {rank}: the group at {addr} did not form within {timeout:g} s "
-                             f"({type(e).__name__}: {e})") from None
+            raise GroupError(f"rank {rank}: the group at {addr} did not form ({type(e).__name__}: {e})") from None
         return group
 
-    def _await_ranks(self, store, addr: str) -> None:
-        deadline = time.monotonic() + self.timeout
+    def _await_ranks(self, store, addr: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         missing = list(range(1, self.size))
         while missing:
             missing = [r for r in missing if not store.check([f"joined/{r}"])]
             if missing and time.monotonic() > deadline:
                 named = ", ".join(f"rank {r} (node {r // self.ranks_per_node})" for r in missing)
-                raise GroupError(f"{named} did not join the group at {addr} within {self.timeout:g} s")
+                raise GroupError(f"{named} did not join the group at {addr} within {timeout:g} s")
             time.sleep(JOIN_POLL_S if missing else 0)
 
     def close(self) -> None:
@@ -134,7 +134,7 @@ class TpGroup:
         started = time.monotonic()
         try:
             call()
-        except Exception as e:  # noqa: BLE001 -- any backend failure ends the group; it is named here
+        except Exception as e:  # any backend failure ends the group: it is named here
             raise CollectiveError(self._failure(label, time.monotonic() - started, e)) from e
         seconds = time.monotonic() - started
         if self.observe is not None:

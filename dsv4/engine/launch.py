@@ -63,7 +63,8 @@ def join_group(args: ServerArgs, rank: int, addr: str) -> TpGroup:
     if device.type == "cuda":
         device = torch.device("cuda", rank % per_node)
         torch.cuda.set_device(device)
-    return TpGroup.join(rank, args.tp_size, addr, args.dist_timeout, ranks_per_node=per_node, device=device)
+    return TpGroup.join(rank, args.tp_size, addr, args.dist_timeout, join_timeout=args.dist_join_timeout,
+                        ranks_per_node=per_node, device=device)
 
 
 def start_node(args: ServerArgs) -> tuple[TpGroup, RankProcesses]:

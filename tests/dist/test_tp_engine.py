@@ -8,6 +8,7 @@ EPS: a genuine tie, as in tests/engine/test_engine_reference.py. Seeded sampling
 """
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -29,9 +30,9 @@ def checkpoints(tmp_path_factory):
 
 
 def engine_args(checkpoint, tp_size, index_key_dtype="fp32", **kw):
+    kw = {"dist_timeout": 20, **kw}
     return ServerArgs(model=str(checkpoint), dtype="float32", index_key_dtype=index_key_dtype, tp_size=tp_size,
-                      chunked_prefill_size=97, max_running_requests=8, max_total_tokens=128 * 48, dist_timeout=20,
-                      **kw)
+                      chunked_prefill_size=97, max_running_requests=8, max_total_tokens=128 * 48, **kw)
 
 
 async def serve_all(args, prompts, sampling):
@@ -94,3 +95,31 @@ def reference_margin(checkpoint, index_key_dtype, tokens):
     model = load_reference_model(checkpoint, dtype=torch.float32, index_key_dtype=index_key_dtype)
     top = model(torch.tensor([tokens]))[0, -1].topk(2).values
     return (top[0] - top[1]).item()
+
+
+async def test_rank_local_delays_at_every_phase_change_nothing(checkpoints):
+    """Delays on either rank before the plan, inside the forward and before the consensus vector: the
+    group stays in lockstep and serves exactly what it serves undelayed."""
+    checkpoint = checkpoints["tiny"]
+    prompts = make_prompts([1, 60, 129, 257, 600, 7], 512, seed=9)
+    delays = ",".join(f"delay:rank{rank}:{phase}:0.3:30ms" for rank in (0, 1) for phase in ("plan", "forward",
+                                                                                            "consensus"))
+    calm = await serve_all(engine_args(checkpoint, 2), prompts, greedy())
+    delayed = await serve_all(engine_args(checkpoint, 2, fault_inject=delays), prompts, greedy())
+    assert delayed == calm
+
+
+async def test_a_rank_past_the_collective_deadline_is_named_and_fatal(checkpoints):
+    args = engine_args(checkpoints["tiny"], 2, fault_inject="delay:rank1:forward:1:4s", dist_timeout=2)
+    engine = Engine.from_args(args)
+    await engine.start()
+    try:
+        async with asyncio.timeout(30):
+            outputs = [out async for out in engine.submit(
+                GenerationRequest(rid="late", input_ids=(1, 2, 3), sampling=greedy()))]
+            reason = await engine.until_dead()
+        assert re.search(r"rank 1 did not reach all_reduce\([a-z.]+\) of tick \d+ within 2 s", reason), reason
+        assert outputs[-1].finish_reason == "error" and reason in outputs[-1].error
+        assert engine.ready() == (False, [reason])
+    finally:
+        await engine.stop()

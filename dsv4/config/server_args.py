@@ -45,6 +45,7 @@ class ServerArgs:
     body_read_timeout: float = 30.0  # a request body not fully received in this long gets a 408
     log_level: str = "info"
     fault_inject: str | None = None
+    disable_radix_cache: bool = False  # the prefix cache (docs/PREFIX_CACHE.md) is on by default
     # -- device and live cross-checks (owner: dsv4/model, dsv4/kernels) --
     device: str | None = None  # where pools and weights live; None: cuda when available, else cpu
     verify_indexer: str = "off"  # count: count and log indexer disagreements; fail: also fail the request
@@ -135,6 +136,12 @@ class ServerArgs:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ConfigError(f"--dist-init-addr {self.dist_init_addr!r}: expected HOST:PORT")
+        if self.tp_size > 1 and self.disaggregation_mode != "null":
+            # A transfer's state would land on rank 0's pools only; every rank needs it.
+            raise ConfigError("--tp-size > 1 with --disaggregation-mode is not supported yet")
+        if self.tp_size > 1 and self.verify_indexer != "off":
+            # The verifier re-scores with rank 0's indexer heads only: a partial score.
+            raise ConfigError("--tp-size > 1 with --verify-indexer is not supported yet")
         if self.dist_timeout <= 0 or self.dist_join_timeout <= 0:
             raise ConfigError("--dist-timeout and --dist-join-timeout must be positive")
 
@@ -174,6 +181,8 @@ class ServerArgs:
             help="seconds a client may take to send a request body (408 after)")
         add("--log-level", choices=LOG_LEVELS, default=d.log_level)
         add("--fault-inject", default=d.fault_inject, help=argparse.SUPPRESS)  # test-only: out of --help
+        add("--disable-radix-cache", action="store_true",
+            help="turn off the prefix cache (shared prompt prefixes are then recomputed by every request)")
         # -- device and live cross-checks --
         add("--device", choices=DEVICES, default=d.device,
             help="where the model's weights and state live (default: cuda when available, else cpu)")

@@ -44,3 +44,21 @@ def test_each_rank_loads_only_its_share(tiny_ckpt):
             assert all(torch.equal(p[name], tensor) for p in parts), name  # replicated
     held = [sum(t.nbytes for t in p.values()) for p in parts]
     assert held[0] == held[1] < sum(t.nbytes for t in whole.values())
+
+
+def test_parallel_flags_and_their_refusals():
+    from dsv4.__main__ import build_parser
+    from dsv4.config import RankDelay, ServerArgs
+
+    args = ServerArgs.from_cli(build_parser().parse_args(
+        ["serve", "--tp-size", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000",
+         "--fault-inject", "delay:rank1:forward:0.2:300ms"]))
+    assert (args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr) == (4, 2, 1, "10.0.0.1:5000")
+    assert args.faults.rank_delays == (RankDelay(1, "forward", 0.2, 0.3),)
+    for bad, message in (({"tp_size": 0}, "--tp-size 0"), ({"tp_size": 3, "nnodes": 2}, "--nnodes 2"),
+                         ({"tp_size": 2, "nnodes": 2}, "--dist-init-addr"),
+                         ({"tp_size": 2, "node_rank": 1}, "--node-rank 1"),
+                         ({"tp_size": 2, "verify_indexer": "count"}, "--verify-indexer"),
+                         ({"fault_inject": "delay:rank1:sample:0.5:1s"}, "unknown phase 'sample'")):
+        with pytest.raises(ConfigError, match=message):
+            ServerArgs(**bad)

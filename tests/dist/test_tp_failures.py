@@ -102,6 +102,12 @@ def test_sigterm_to_the_launcher_stops_every_rank(tiny_ckpt, tmp_path):
         assert len(ranks) == 1
         code, body = generate(server.base, [1, 2, 3], 4)
         assert code == 200 and len(body["output_ids"]) == 4
+        debug = json.loads(urllib.request.urlopen(f"{server.base}/debug/requests", timeout=5).read())
+        assert debug["tp_size"] == 2 and len(debug["rank_ticks"]) == 2 and debug["slowest_collective"]["seconds"] > 0
+        metrics = urllib.request.urlopen(f"{server.base}/metrics", timeout=5).read().decode()
+        for op in ("broadcast(plan)", "all_reduce(attn.out)", "all_reduce(indexer.scores)", "all_reduce(ffn.out)",
+                   "all_reduce(consensus)"):
+            assert f'dsv4_collective_seconds_count{{op="{op}"}}' in metrics, op
         server.send_signal(signal.SIGTERM)
         assert server.wait_exit(timeout=30) == 0
         deadline = time.monotonic() + 10

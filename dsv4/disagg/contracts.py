@@ -27,6 +27,7 @@ class PdTimeouts:
     wait_for_prefill: float = 60.0  # decode: prefill request sent, no payload yet (prefill queue + compute)
     transfer: float = 10.0  # decode: first payload header .. commit; prefill: sending
     commit: float = 5.0  # decode: commit received .. admitted to the decode batch
+    send: float = 5.0  # one control frame; a link that cannot send a small frame this long is fenced
     lease: float = 5.0  # a failed transfer's wait for a drain acknowledgement before fencing the peer
     drain_retry: float = 0.5
     heartbeat: float = 0.5
@@ -71,10 +72,12 @@ class PrefillSource(Protocol):
 class DecodeTarget(Protocol):
     capabilities: Capabilities
 
-    async def allocate(self, rid: str, num_pages: int) -> tuple[list[Handle], Handle] | None:
-        """Destination pages and a slot owned by `rid`, or None when they are not free now."""
+    async def allocate(self, req: GenerationRequest, num_pages: int) -> tuple[list[Handle], Handle] | None:
+        """Destination pages and a slot owned by `req.rid`, or None when the engine would not admit
+        the request now (pressure: the caller waits and asks again)."""
 
-    async def release(self, pages: list[Handle], slot: Handle) -> None: ...
+    async def release(self, rid: str, pages: list[Handle], slot: Handle) -> None:
+        """Gives back what `allocate` handed out for `rid` (a transfer that failed)."""
 
     async def install(self, pages: list[Handle], slot: Handle, page_data: list[np.ndarray],
                       slot_data: np.ndarray) -> tuple[list[int], int]:

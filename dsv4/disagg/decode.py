@@ -114,7 +114,9 @@ class RemotePrefill:
                            outcome=asyncio.get_running_loop().create_future())
         self.transfers[req.rid] = t
         self._by_room[t.room] = t
-        self.supervisor.spawn(f"transfer-{t.room}", self._run(t), kind="request")
+        task = self.supervisor.spawn(f"transfer-{t.room}", self._run(t), kind="request")
+        # A task cancelled before its first step (shutdown) never runs its body: its request still ends.
+        task.add_done_callback(lambda _: self._fail(t, "decode instance stopping", 503))
         return self._outputs(t)
 
     def abort(self, rid: str, reason: str = "client disconnected") -> bool:
@@ -196,7 +198,7 @@ class RemotePrefill:
         self._allocation_queue.append(t)
         try:
             while not t.pages:
-                held = await self.target.allocate(t.req.rid, num_pages) if self._allocation_queue[0] is t else None
+                held = await self.target.allocate(t.req, num_pages) if self._allocation_queue[0] is t else None
                 if held is None:
                     await self._wait_or_fail(t, asyncio.sleep(0.02), "no free pages or slot for the transfer")
                 else:
@@ -412,7 +414,7 @@ class RemotePrefill:
             t.staging.clear()
         self._release_staging(t)
         if t.pages:
-            await self.target.release(t.pages, t.slot)
+            await self.target.release(t.req.rid, t.pages, t.slot)
         if t.lease != "fenced":
             t.lease = "released"
         self._forget(t)

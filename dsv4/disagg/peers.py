@@ -84,7 +84,7 @@ class PrefillPeer:
     async def _connect(self) -> Link | None:
         try:
             link = await connect(self._host, self._port, metrics=self._metrics, faults=self._faults,
-                                 timeout=self._timeouts.handshake)
+                                 timeout=self._timeouts.handshake, send_timeout=self._timeouts.send)
         except (UCXError, OSError, TimeoutError) as e:
             self.status = f"unreachable: {type(e).__name__}: {e}"
             return None

@@ -110,7 +110,8 @@ class PrefillServer:
         return self._listener.port
 
     async def start(self) -> None:
-        self._listener = listen(self._on_link, port=self._requested_port, metrics=self.metrics, faults=self.faults)
+        self._listener = listen(self._on_link, port=self._requested_port, metrics=self.metrics, faults=self.faults,
+                                send_timeout=self.timeouts.send)
         self.supervisor.spawn("reaper", self._reap_forever())
         self.supervisor.spawn("heartbeat", self._heartbeat_forever())
 

@@ -9,7 +9,12 @@ of different rooms or connections can never match each other's receives. A recei
 only into a buffer its transfer owns.
 
 Fencing a link aborts its endpoint: UCX cancels every receive still posted on it, so once a
-fenced link's receive tasks have ended no byte can land in their buffers any more.
+fenced link's receive tasks have ended no byte can land in their buffers any more. An endpoint the
+peer ended is aborted here too, the first time it is seen dead: UCX leaves the requests posted on a
+dead endpoint pending until a local abort (tag receives belong to the worker, not the endpoint), so
+without it a send or receive posted just before the peer went would never end. A control frame
+that is not sent within `send_timeout` fences the link: a small frame a peer does not take is a
+broken connection, and every wait has a bound (ARCHITECTURE.md invariant 5).
 """
 
 from __future__ import annotations
@@ -116,18 +121,22 @@ def capability_mismatch(mine: Capabilities, theirs: Capabilities, *, me: str, th
 class Link:
     """One UCX endpoint to a peer."""
 
-    def __init__(self, endpoint, *, peer: str, metrics: DisaggMetrics, faults: TransferFaults):
+    def __init__(self, endpoint, *, peer: str, metrics: DisaggMetrics, faults: TransferFaults,
+                 send_timeout: float = 5.0):
         self._ep = endpoint
         self.peer = peer  # "host:port" of the prefill side, or the decode instance id
         self.peer_instance: str | None = None
         self._metrics = metrics
         self._faults = faults
+        self._send_timeout = send_timeout
         self.close_reason: str | None = None
         self.last_heard = time.monotonic()
 
     @property
     def closed(self) -> bool:
-        return self.close_reason is not None or self._ep.closed
+        if self.close_reason is None and self._ep.closed:
+            self._closed_by("the connection ended")  # the peer's doing: cancel what is posted here
+        return self.close_reason is not None
 
     # -- control frames ---------------------------------------------------------------------------
     async def send(self, frame) -> bool:
@@ -155,10 +164,15 @@ class Link:
         if self.closed:
             return False
         try:
-            await self._ep.send_multi([np.frombuffer(data, dtype=np.uint8)])
+            async with asyncio.timeout(self._send_timeout):
+                await self._ep.send_multi([np.frombuffer(data, dtype=np.uint8)])
             return True
         except UCXError as e:
             self._closed_by(f"send failed: {type(e).__name__}: {e}")
+            return False
+        except TimeoutError:
+            # Fencing aborts the endpoint, which cancels the send while `data` is still referenced here.
+            self.fence(f"a control frame was not sent within {self._send_timeout:g} s")
             return False
 
     async def receive(self):
@@ -223,8 +237,7 @@ class Link:
         if self.close_reason is None:
             self.close_reason = reason
             log.info("link to %s closed: %s", self.peer, reason)
-        if not self._ep.closed:
-            self._ep.abort()
+            self._ep.abort()  # also when the peer ended it: only a local abort cancels what is posted
 
     def close(self, reason: str) -> None:
         """Closes the link on purpose (shutdown): not a fence, nothing is owed."""
@@ -259,17 +272,18 @@ def _ensure_ucx() -> None:
 
 
 async def connect(host: str, port: int, *, metrics: DisaggMetrics, faults: TransferFaults,
-                  timeout: float = 5.0) -> Link:
+                  timeout: float = 5.0, send_timeout: float = 5.0) -> Link:
     _ensure_ucx()
     endpoint = await asyncio.wait_for(ucxx.create_endpoint(host, port, connect_timeout=timeout), timeout)
-    return Link(endpoint, peer=f"{host}:{port}", metrics=metrics, faults=faults)
+    return Link(endpoint, peer=f"{host}:{port}", metrics=metrics, faults=faults, send_timeout=send_timeout)
 
 
-def listen(on_link, *, port: int, metrics: DisaggMetrics, faults: TransferFaults):
+def listen(on_link, *, port: int, metrics: DisaggMetrics, faults: TransferFaults, send_timeout: float = 5.0):
     """A ucxx listener; `on_link(link)` runs (as ucxx's handler coroutine) for each connection."""
 
     async def handler(endpoint) -> None:
-        await on_link(Link(endpoint, peer=f"decode@{endpoint.uid}", metrics=metrics, faults=faults))
+        await on_link(Link(endpoint, peer=f"decode@{endpoint.uid}", metrics=metrics, faults=faults,
+                           send_timeout=send_timeout))
 
     _ensure_ucx()
     return ucxx.create_listener(handler, port=port or None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import zlib
 from dataclasses import asdict
 
@@ -90,16 +91,25 @@ class EngineDecodeTarget:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.capabilities = capabilities_of(engine)
+        # Transfers holding their destination, until adopted or released: the scheduler counts their
+        # growth in the admission reserve as it counts a running request's.
+        self._holding: dict[str, Request] = {}
 
-    async def allocate(self, rid, num_pages):
-        allocator = self.engine.allocator
-        # Leave every running decode a page to grow into, so transfers never starve them.
-        headroom = len(self.engine.scheduler.running)
-        if allocator.slots.num_free == 0 or allocator.pages.num_free - num_pages < headroom:
+    async def allocate(self, req, num_pages):
+        # A transfer is an admission, under the scheduler's rule: behind every waiting (retracted)
+        # request, and only with the growth reserve of the running requests and the transfers free.
+        incoming = Request(rid=req.rid, prompt_ids=tuple(req.input_ids), sampling=req.sampling, arrival=0.0,
+                           deadline=math.inf)
+        if not self.engine.scheduler.admits(incoming, self._holding.values()):
             return None
-        return allocator.pages.allocate(rid, num_pages), allocator.slots.allocate(rid)[0]
+        allocator = self.engine.allocator
+        incoming.pages = self.engine.scheduler.take_pages(req.rid, num_pages)  # may evict cached pages
+        incoming.slot = allocator.slots.allocate(req.rid)[0]
+        self._holding[req.rid] = incoming
+        return incoming.pages, incoming.slot
 
-    async def release(self, pages, slot) -> None:
+    async def release(self, rid, pages, slot) -> None:
+        self._holding.pop(rid, None)
         for handle in pages:
             self.engine.allocator.pages.free(handle)
         self.engine.allocator.slots.free(slot)
@@ -116,6 +126,7 @@ class EngineDecodeTarget:
         return await self.engine.run_between_forwards(copy)
 
     def admit(self, req, pages, slot, first_token):
+        self._holding.pop(req.rid, None)  # the scheduler counts it from its adoption on
         return self.engine.submit_transferred(req, pages=pages, slot=slot, first_token=first_token)
 
 

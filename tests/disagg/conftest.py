@@ -1,16 +1,15 @@
 """A prefill server and a decode-side RemotePrefill over real UCX on 127.0.0.1, both stopped after.
 
-Every test here runs on one session-wide event loop: ucxx binds its progress machinery to the
-loop it first serves, as a server process (one loop for its life) does.
+Each test runs on its own event loop (pytest-asyncio's default), and so does its `make_pair`
+fixture: what a test starts is stopped on the loop it was started on. ucxx keeps one progress task
+per event loop, so every test's endpoints progress on that test's loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 
-import pytest
 import pytest_asyncio
 from pd_fakes import FakeDecodeTarget, FakePrefillSource
 
@@ -18,14 +17,6 @@ from dsv4.disagg.contracts import PdTimeouts
 from dsv4.disagg.decode import RemotePrefill
 from dsv4.disagg.faults import TransferFaults
 from dsv4.disagg.prefill import PrefillServer
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if ("tests/disagg/" in str(item.fspath) and inspect.iscoroutinefunction(getattr(item, "function", None))
-                and item.get_closest_marker("asyncio") is None):
-            item.add_marker(pytest.mark.asyncio(loop_scope="session"))
-
 
 FAST = PdTimeouts(handshake=3.0, bootstrap=3.0, wait_for_prefill=5.0, transfer=3.0, commit=2.0, lease=1.0,
                   drain_retry=0.1, heartbeat=0.1, peer_silence=2.0, reconnect=0.1)
@@ -48,7 +39,7 @@ class Pair:
         await wait_until(lambda: not self.decode.transfers and not self.prefill.load(), timeout, "transfers to end")
 
 
-@pytest_asyncio.fixture(loop_scope="session")
+@pytest_asyncio.fixture
 async def make_pair():
     started = []
 

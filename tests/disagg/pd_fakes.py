@@ -86,13 +86,13 @@ class FakeDecodeTarget:
         self.corrupt_install = corrupt_install
         self.admitted: dict[str, tuple[int, list[bytes], bytes]] = {}  # rid -> (first token, pages, slot)
 
-    async def allocate(self, rid, num_pages):
+    async def allocate(self, req, num_pages):
         a = self.allocator
         if a.slots.num_free == 0 or a.pages.num_free < num_pages:
             return None
-        return a.pages.allocate(rid, num_pages), a.slots.allocate(rid)[0]
+        return a.pages.allocate(req.rid, num_pages), a.slots.allocate(req.rid)[0]
 
-    async def release(self, pages, slot):
+    async def release(self, rid, pages, slot):
         for h in pages:
             self.allocator.pages.free(h)
         self.allocator.slots.free(slot)
@@ -115,7 +115,7 @@ class FakeDecodeTarget:
         )
 
         async def outputs():
-            await self.release(pages, slot)  # the request finishes after its first token
+            await self.release(req.rid, pages, slot)  # the request finishes after its first token
             yield RequestOutput(rid=req.rid, token_ids=(first_token,), finished=True, finish_reason="length",
                                 prompt_tokens=len(req.input_ids), completion_tokens=1)
 

@@ -30,20 +30,22 @@ def engine_of(checkpoint, **overrides) -> Engine:
     return Engine(args, model.config, model.tokenizer, model.runner, model_name=model.name), args
 
 
-@pytest_asyncio.fixture(loop_scope="session")
+@pytest_asyncio.fixture
 async def make_pd(tiny_ckpt):
-    """`await make_pd(faults)`: (prefill, decode), built on the test's loop, stopped after."""
+    """`await make_pd(faults, prefill_args=, decode_args=)`: (prefill, decode) with ServerArgs overrides,
+    built on the test's loop, stopped after."""
     started = []
 
-    async def make(faults: str | None = None):
-        prefill_engine, prefill_args = engine_of(tiny_ckpt, context_length=PREFILL_CONTEXT, verify_indexer="fail",
-                                                 disaggregation_mode="prefill", disaggregation_bootstrap_port=0,
-                                                 fault_inject=faults)
+    async def make(faults: str | None = None, *, prefill_args: dict | None = None, decode_args: dict | None = None):
+        prefill_engine, prefill_args = engine_of(tiny_ckpt, **{
+            "context_length": PREFILL_CONTEXT, "verify_indexer": "fail", "disaggregation_mode": "prefill",
+            "disaggregation_bootstrap_port": 0, "fault_inject": faults, **(prefill_args or {})})
         prefill = PdEngine(prefill_engine, prefill_args)
         await prefill.start()
         started.append(prefill)
-        decode_engine, decode_args = engine_of(tiny_ckpt, disaggregation_mode="decode",
-                                               prefill_addr=(f"127.0.0.1:{prefill.side.port}",))
+        decode_engine, decode_args = engine_of(tiny_ckpt, **{
+            "disaggregation_mode": "decode", "prefill_addr": (f"127.0.0.1:{prefill.side.port}",),
+            **(decode_args or {})})
         decode = PdEngine(decode_engine, decode_args)
         await decode.start()
         started.append(decode)
@@ -158,3 +160,42 @@ async def test_seeded_sampling_in_pd_equals_colocated(make_pd, tiny_ckpt):
         tokens = [t for o in got for t in o.token_ids]
         assert got[-1].finish_reason == "length" and len(tokens) == 8
         assert tokens == [t for o in want for t in o.token_ids]
+
+
+def held(pd: PdEngine) -> dict:
+    """What one side still holds: requests, transfers, pages and slots not free."""
+    debug = pd.debug_requests()
+    return {"requests": len(debug["requests"]), "transfers": len(debug["disaggregation"]["transfers"]),
+            "pages": debug["total_pages"] - debug["free_pages"], "slots": debug["total_slots"] - debug["free_slots"]}
+
+
+@pytest.mark.timeout(300)
+async def test_memory_pressure_on_the_decode_side_serves_every_request_unchanged(make_pd, tiny_ckpt):
+    """16 requests of 100 prompt + 400 new tokens (ignore_eos) on a decode pool of 2,048 tokens: 16
+    pages of 128, four such requests at their full length. Transfers take their destination under
+    the scheduler's admission rule, decodes are retracted (an adopted one recomputes its prompt
+    here), and every request ends as it does on one engine without pressure (ARCHITECTURE.md
+    invariant 5: memory pressure never fails a request)."""
+    exact = {"dtype": "float32", "index_key_dtype": "fp32", "max_running_requests": 16}
+    prefill, decode = await make_pd(prefill_args={**exact, "verify_indexer": "off"},
+                                    decode_args={**exact, "max_total_tokens": 2048})
+    colocated, _ = engine_of(tiny_ckpt, **exact, max_total_tokens=64 * 128)  # room for all sixteen
+    await colocated.start()
+    reqs = [request(f"pressure-{i}", 100, max_new_tokens=400) for i in range(16)]
+    started = time.monotonic()
+    try:  # both at once: the forwards run on two threads
+        pd, alone = await asyncio.gather(
+            asyncio.gather(*(outputs_of(decode.submit(r), timeout=240) for r in reqs)),
+            asyncio.gather(*(outputs_of(colocated.submit(r), timeout=240) for r in reqs)))
+    finally:
+        await colocated.stop()
+    seconds = time.monotonic() - started
+    for r, got, want in zip(reqs, pd, alone):
+        assert got[-1].finish_reason == "length", got[-1]
+        assert [t for o in got for t in o.token_ids] == [t for o in want for t in o.token_ids], r.rid
+    preemptions = decode.engine.metrics.registry.get_sample_value("dsv4_preemptions_total")
+    assert preemptions > 0, "the pool was meant to be too small for every request at once"
+    await wait_until(lambda: not any(held(decode).values()) and not any(held(prefill).values()), 10,
+                     "both sides to release everything", explain=lambda: (held(decode), held(prefill)))
+    assert decode.ready() == (True, []) and prefill.ready() == (True, [])
+    print(f"PD under pressure: {seconds:.1f} s, {preemptions:.0f} preemptions")

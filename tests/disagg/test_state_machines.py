@@ -444,9 +444,9 @@ async def test_pages_are_not_released_while_an_install_copy_may_still_run(make_p
         events.append("copied")
         return await install(*args)
 
-    async def recorded_release(pages, slot):
+    async def recorded_release(rid, pages, slot):
         events.append("released")
-        await release(pages, slot)
+        await release(rid, pages, slot)
 
     target.install, target.release = slow_install, recorded_release
     pair = await make_pair(target=target)
@@ -478,3 +478,13 @@ async def test_a_transfer_stuck_past_its_deadline_makes_decode_not_ready(make_pa
     never.set()
     await pair.settle()
     assert pair.decode.ready()[0] and pair.target.leaked() == {}
+
+
+async def test_a_transfer_stopped_before_its_task_ran_still_ends_its_request(make_pair):
+    pair = await make_pair()
+    outputs = pair.decode.submit(request("unstarted", 40))
+    await pair.decode.stop()  # cancels the transfer's task before its first step
+    async with asyncio.timeout(5):
+        outs = [o async for o in outputs]
+    assert outs[-1].finish_reason == "error" and outs[-1].error_status == 503, outs[-1]
+    assert pair.target.leaked() == {}

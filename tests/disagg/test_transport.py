@@ -14,7 +14,7 @@ from dsv4.config import FRAME_KINDS, ConfigError, ServerArgs
 from dsv4.disagg.faults import TransferFaults
 from dsv4.disagg.metrics import DisaggMetrics
 from dsv4.disagg.supervisor import Supervisor
-from dsv4.disagg.transport import decode_frame, encode_frame, frame_kind, payload_tag, seal
+from dsv4.disagg.transport import Link, decode_frame, encode_frame, frame_kind, payload_tag, seal
 from dsv4.protocol import (
     Abort,
     AbortAck,
@@ -125,6 +125,45 @@ async def test_supervisor_records_a_death_with_its_reason():
     ready, reasons = sup.ready()
     assert not ready and "reader" in reasons[0] and "unexpected ABORT frame" in reasons[0]
     await sup.stop()
+
+
+class StuckEndpoint:
+    """A ucxx endpoint whose sends never complete until it is aborted (a peer gone mid-send)."""
+
+    def __init__(self, alive: bool = True):
+        self.alive = alive
+        self.aborts = 0
+        self._aborted = asyncio.Event()
+
+    @property
+    def closed(self) -> bool:
+        return not self.alive
+
+    def abort(self) -> None:
+        self.aborts += 1
+        self.alive = False
+        self._aborted.set()
+
+    async def send_multi(self, buffers) -> None:
+        await self._aborted.wait()
+        raise AssertionError("a send completed after its endpoint was aborted")
+
+
+async def test_a_control_frame_that_cannot_be_sent_fences_its_link_within_the_send_timeout():
+    endpoint = StuckEndpoint()
+    link = Link(endpoint, peer="p", metrics=DisaggMetrics(), faults=TransferFaults(), send_timeout=0.2)
+    async with asyncio.timeout(2.0):
+        assert await link.send(Drain(room=1)) is False
+    assert link.closed and "not sent within 0.2 s" in link.close_reason
+    assert endpoint.aborts == 1
+
+
+def test_an_endpoint_the_peer_ended_is_aborted_here_when_first_seen():
+    """Requests posted on a dead ucxx endpoint stay pending until a local abort cancels them."""
+    endpoint = StuckEndpoint(alive=False)
+    link = Link(endpoint, peer="p", metrics=DisaggMetrics(), faults=TransferFaults())
+    assert link.closed and link.closed
+    assert endpoint.aborts == 1 and link.close_reason == "the connection ended"
 
 
 async def test_bad_frames_on_live_links_are_counted_and_nothing_stalls(make_pair):

@@ -32,6 +32,7 @@ StopList = Annotated[list[str], msgspec.Meta(max_length=MAX_STOP_SEQUENCES)]
 # field as "missing required field `model`"; both become the OpenAI `param`.
 _AT_PATH = re.compile(r"- at `\$\.?(?P<path>[^`]*)`")
 _MISSING_FIELD = re.compile(r"missing required field `(?P<name>[^`]+)`")
+_UNKNOWN_FIELD = re.compile(r"unknown field `(?P<name>[^`]+)`")
 _OUT_OF_RANGE = re.compile(r"^(Expected `\w+` [<>]=? |Expected `\w+` of length|Number out of range)")
 
 
@@ -96,8 +97,9 @@ class ResponseFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
     json_schema: JsonSchemaSpec | None = None
 
 
-class OpenAISampling(msgspec.Struct, kw_only=True):
-    """Sampling fields shared by /v1/chat/completions and /v1/completions."""
+class OpenAISampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Sampling fields shared by /v1/chat/completions and /v1/completions. A field dsv4 does not
+    implement is refused (400 naming it), never silently ignored; the subclasses inherit that."""
 
     model: str | None = None
     max_tokens: Count | None = None
@@ -111,7 +113,11 @@ class OpenAISampling(msgspec.Struct, kw_only=True):
     n: Count = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored
+    # Accepted and ignored: they carry no behaviour.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # Logits processors, with their documented ranges.
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -144,7 +150,7 @@ class CompletionBody(OpenAISampling, kw_only=True):
     best_of: Count | None = None
 
 
-class NativeSampling(msgspec.Struct, kw_only=True):
+class NativeSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """SGLang's `sampling_params`."""
 
     max_new_tokens: Count = 128
@@ -162,7 +168,7 @@ class NativeSampling(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, LogitBias] | None = None
 
 
-class GenerateBody(msgspec.Struct, kw_only=True):
+class GenerateBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     input_ids: list[Count] | None = None
     text: str | None = None
     sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
@@ -208,8 +214,14 @@ def _decode(raw, body_type: type, path_prefix: str):
     try:
         return msgspec.json.decode(raw, type=body_type)
     except msgspec.ValidationError as e:
-        code = "invalid_value" if _OUT_OF_RANGE.search(str(e)) else "invalid_type"
-        raise bad_request(str(e), param=_join(path_prefix, _field_of(str(e))), code=code) from None
+        message = str(e)
+        if _UNKNOWN_FIELD.search(message):
+            code, message = "unknown_parameter", f"{message}: dsv4 does not implement it"
+        elif _OUT_OF_RANGE.search(message):
+            code = "invalid_value"
+        else:
+            code = "invalid_type"
+        raise bad_request(message, param=_join(path_prefix, _field_of(str(e))), code=code) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:
@@ -227,9 +239,9 @@ def _too_large(max_bytes: int) -> ApiError:
 def _field_of(message: str) -> str | None:
     at = _AT_PATH.search(message)
     path = at.group("path") if at else ""
-    missing = _MISSING_FIELD.search(message)
-    if missing:
-        path = _join(path, missing.group("name"))
+    named = _MISSING_FIELD.search(message) or _UNKNOWN_FIELD.search(message)
+    if named:
+        path = _join(path, named.group("name"))
     return path or None
 
 

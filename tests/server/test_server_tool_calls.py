@@ -81,7 +81,7 @@ async def scripted_server(tiny_ckpt, monkeypatch):
                for i in range(REQUESTS)}
     progress = dict.fromkeys(scripts, 0)
 
-    def scripted_sample(logits, params, generators):
+    def scripted_sample(logits, params, *positions_and_histories):
         tokens = []
         for p in params:
             step = progress[p.seed]

@@ -96,6 +96,14 @@ BAD_BODIES = [
     (GENERATE, {"text": "hi", "sampling_params": {"repetition_penalty": 3}}, 400,
      "sampling_params.repetition_penalty", "invalid_value"),
     (GENERATE, {"text": "hi", "sampling_params": {"logit_bias": {"z": 1}}}, 400, "sampling_params.logit_bias", None),
+    # A field dsv4 does not implement is refused, named, never silently dropped.
+    (CHAT, {"messages": HELLO, "best_of": 2}, 400, "best_of", "unknown_parameter"),
+    (CHAT, {"messages": HELLO, "modalities": ["audio"]}, 400, "modalities", "unknown_parameter"),
+    (CHAT, {"messages": HELLO, "min_tokens": 3}, 400, "min_tokens", "unknown_parameter"),
+    (COMPLETIONS, {"prompt": "hi", "functions": []}, 400, "functions", "unknown_parameter"),
+    (GENERATE, {"text": "hi", "return_hidden_states": True}, 400, "return_hidden_states", "unknown_parameter"),
+    (GENERATE, {"text": "hi", "sampling_params": {"json_schema": "{}"}}, 400, "sampling_params.json_schema",
+     "unknown_parameter"),
     # Chat structure: a tool result answers a call made just before it; call arguments are JSON.
     (CHAT, {"messages": [*HELLO, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, 400,
      "messages[1].role", None),
@@ -194,17 +202,20 @@ async def test_unexpected_exception_is_500_with_request_id(client, engine):
     await assert_alive(client)
 
 
-@pytest.mark.parametrize("route,raw", [
+@pytest.mark.parametrize("route,raw,param,code", [
     (CHAT, ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
-           '{"name": "f", "parameters": {"a": DEEP}}}]}')),
-    (CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "x": DEEP}]}]}'),
-    (COMPLETIONS, '{"prompt": "hi", "metadata": {"a": DEEP}}'),
-    (GENERATE, '{"text": "hi", "extra": DEEP}'),
+            '{"name": "f", "parameters": {"a": DEEP}}}]}'), None, "invalid_json"),
+    (CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "x": DEEP}]}]}', None, "invalid_json"),
+    (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"a": DEEP}}', None,
+     "invalid_json"),
+    # Where no field takes free-form JSON, the nesting is refused as soon as it starts.
+    (COMPLETIONS, '{"prompt": "hi", "metadata": {"a": DEEP}}', "metadata[...]", "invalid_type"),
+    (GENERATE, '{"text": "hi", "extra": DEEP}', "extra", "unknown_parameter"),
 ])
-async def test_deep_nesting_is_400(client, engine, route, raw):
+async def test_deep_nesting_is_400(client, engine, route, raw, param, code):
     raw = raw.replace("DEEP", DEEP)
     response = await client.post(route, data=raw.encode(), headers={"Content-Type": "application/json"})
-    await assert_error(response, 400, None, "invalid_json")
+    await assert_error(response, 400, param, code)
     assert not engine.submitted
     await assert_alive(client)
 
@@ -230,6 +241,16 @@ async def test_edge_of_range_values_are_accepted(client, engine):
         response = await client.post(CHAT, json=body)
         assert response.status == 200, await response.text()
     assert [r.sampling.seed for r in engine.submitted] == [2**63 - 1, -(2**63), 0]
+
+
+@pytest.mark.parametrize("route,body", [(CHAT, {"messages": HELLO}), (COMPLETIONS, {"prompt": "hi"})])
+async def test_fields_without_behaviour_are_accepted(client, route, body):
+    body = {**body, "max_tokens": 3, "user": "u-1", "metadata": {"team": "evals"}, "store": False,
+            "service_tier": "auto"}
+    if route == CHAT:
+        body["parallel_tool_calls"] = True
+    response = await client.post(route, json=body)
+    assert response.status == 200, await response.text()
 
 
 @pytest.mark.parametrize("route,body,prefix", [

@@ -6,7 +6,8 @@ Modes:
   --model DIR            start `python -m dsv4 serve --model DIR` on a free port, sweep it, stop it
   --suite                what `make bench` runs: build the `small` checkpoint once, sweep dsv4 at
                          concurrency 1, 8 and 32, run the HF baseline on the same prompts in the
-                         same run, print the ratio, then run the kernel benchmark on CPU.
+                         same run, print the ratio, the concurrency-1 decode step at --tp-size 2
+                         against 1, then run the kernel benchmark on CPU.
   --baseline hf          also time HF `DeepseekV4ForCausalLM.generate` on the same checkpoint and
                          the first level's prompts (greedy, one prompt at a time: HF's V4 cache
                          has no batched prefill over padded prompts) and print dsv4/HF ratios
@@ -141,7 +142,7 @@ def print_levels(levels: list[LevelResult]) -> None:
           f"{'TPOT ms mean/p50/p99':>26} | {'ITL ms mean/p50/p99':>26}")
     for level in levels:
         good = level.good
-        tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in good if r.output_tokens > 1]
+        tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in good if r.output_tokens > 1]  # per request
         itls = [v for r in good for v in r.itls]
         print(f"{level.concurrency:>4} {len(good):>4} {len(level.results) - len(good):>4} "
               f"{level.output_tok_s:>10.1f} | {summarize([r.ttft for r in good])} | {summarize(tpots)} | "
@@ -150,6 +151,23 @@ def print_levels(levels: list[LevelResult]) -> None:
             if not r.ok:
                 print(f"     failure: {r.error}")
                 break
+
+
+def tpot(level: LevelResult) -> float:
+    """Mean time per output token after the first: the decode step, seen from the client."""
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in level.good if r.output_tokens > 1]
+    return statistics.fmean(tpots) if tpots else float("nan")
+
+
+def tp_decode_step(model_dir: Path, server_args: list[str], prompts: list[list[int]], output_len: int,
+                   timeout: float) -> float:
+    """The concurrency-1 decode step of a `--tp-size 2` server on the same checkpoint and prompts."""
+    server = ServerProcess(model_dir, [*server_args, "--tp-size", "2"], ready_timeout=300)
+    try:
+        server.wait_ready()
+        return tpot(asyncio.run(run_level(server.url, prompts, 1, output_len, timeout)))
+    finally:
+        server.stop()
 
 
 def hf_baseline(model_dir: Path, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
@@ -283,6 +301,13 @@ def main() -> int:
             print(f"{level.concurrency:>4} {level.output_tok_s:>11.1f} {hf_tok_s:>9.1f} "
                   f"{level.output_tok_s / hf_tok_s:>6.2f}x | {ttft * 1000:>12.1f} {hf_ttft * 1000:>11.1f} "
                   f"{hf_ttft / ttft:>6.2f}x")
+    if args.suite and 1 in levels:
+        # On a 2-core machine the two ranks share the cores the one rank had: a figure, not a target.
+        one = tpot(results[levels.index(1)])
+        two = tp_decode_step(model_dir, args.server_args.split(), prompt_sets[1], args.output_len,
+                             args.request_timeout)
+        print(f"\ndecode step at concurrency 1: TP=1 {one * 1000:.1f} ms, TP=2 {two * 1000:.1f} ms "
+              f"(TP=2 / TP=1 = {two / one:.2f})")
     if args.suite:
         bench_kernels = ROOT / "scripts" / "bench_kernels.py"
         if bench_kernels.exists():

@@ -13,7 +13,7 @@ import uvloop
 from aiohttp import web
 
 from dsv4.config import ServerArgs
-from dsv4.server import chat_completions, completions, native, ops
+from dsv4.server import chat_completions, completions, native, ops, tokenize
 from dsv4.server.http_metrics import HttpMetrics
 from dsv4.server.lifecycle import FLUSH_SECONDS, Lifecycle, drain, until_signalled_or_dead
 from dsv4.server.middleware import add_request_id_header, guard
@@ -36,6 +36,8 @@ def build_app(engine, args: ServerArgs) -> web.Application:
     app.router.add_post("/v1/completions", completions.completions)
     app.router.add_get("/v1/models", ops.list_models)
     app.router.add_post("/generate", native.generate)
+    app.router.add_post("/tokenize", tokenize.tokenize)
+    app.router.add_post("/detokenize", tokenize.detokenize)
     app.router.add_get("/health", ops.health)
     app.router.add_get("/health/ready", ops.health_ready)
     app.router.add_get("/metrics", ops.metrics)

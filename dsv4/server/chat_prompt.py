@@ -7,6 +7,7 @@ continue from: the parser is fed that start as if the model had written it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import msgspec
@@ -18,6 +19,7 @@ from dsv4.server.errors import bad_request
 # OpenAI's values plus DeepSeek's "max"; dsv4.chat only distinguishes "high" and "max".
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "max")
 _BLOCK_START = f"\n\n<{chat.DSML}tool_calls>\n<{chat.DSML}invoke"
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,10 @@ def _tools_shown(body: v.ChatCompletionBody) -> list[dict]:
         tool = v.decode_part(raw, v.ToolDef, f"tools[{i}]")
         if tool.type != "function":
             raise bad_request(f"tool type {tool.type!r} is not supported; use 'function'", param=f"tools[{i}].type")
+        if not _TOOL_NAME.fullmatch(tool.function.name):
+            # OpenAI's rule; it also keeps every name writable in a DSML invoke line.
+            raise bad_request(f"tool name {tool.function.name!r} must match {_TOOL_NAME.pattern}",
+                              param=f"tools[{i}].function.name")
         # The raw dict keeps the client's key order, which the prompt reproduces.
         tools.append(msgspec.json.decode(raw))
     choice = body.tool_choice

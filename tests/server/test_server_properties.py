@@ -24,13 +24,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from live_server import LiveServer, http_status, live_servers
 
+from dsv4.chat import DSML
 from dsv4.config import ServerArgs
 from dsv4.server.app import build_app
 from dsv4.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(600)
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", "/tokenize", "/detokenize")
 FAKE_EXAMPLES = 1700
 REAL_EXAMPLES = 600
 REAL_CONTEXT = 40  # bounds every generation the real engine runs
@@ -95,7 +96,11 @@ native_sampling = st.fixed_dictionaries({}, optional={
 generate_body = st.fixed_dictionaries({}, optional={"text": texts, "input_ids": token_lists,
                                                     "sampling_params": native_sampling | json_values,
                                                     "stream": st.booleans()})
-WELL_TYPED = {"/v1/chat/completions": chat_body, "/v1/completions": completion_body, "/generate": generate_body}
+tokenize_body = st.fixed_dictionaries({}, optional={"prompt": texts, "messages": st.lists(message, max_size=3),
+                                                   "tools": tools, "model": texts})
+detokenize_body = st.fixed_dictionaries({}, optional={"tokens": token_lists, "model": texts})
+WELL_TYPED = {"/v1/chat/completions": chat_body, "/v1/completions": completion_body, "/generate": generate_body,
+              "/tokenize": tokenize_body, "/detokenize": detokenize_body}
 
 
 @st.composite
@@ -199,6 +204,19 @@ def check_answer(status: int, content_type: str, body: bytes, raw: bytes) -> Non
 # -- the properties --------------------------------------------------------------------------------
 
 
+def well_formed_reply(prompt: str, tool_names: list[str]) -> str:
+    """What a well-behaved model writes after the rendered `prompt`: reasoning closed in thinking
+    mode, a forced tool call completed. The properties are about requests: a model that writes
+    malformed DSML makes the reply a 500 invalid_model_output, which is the model's failure."""
+    if prompt.endswith("<think>"):
+        return "Thinking done.</think>Hello"
+    if prompt.endswith(f"<{DSML}invoke"):  # tool_choice "required": the model picks the tool
+        return f' name="{tool_names[0]}">\n</{DSML}invoke>\n</{DSML}tool_calls>'
+    if prompt.endswith('">\n') and f"<{DSML}invoke name=" in prompt[-200:]:  # a named tool_choice
+        return f"</{DSML}invoke>\n</{DSML}tool_calls>"
+    return "Hello"
+
+
 @pytest.fixture(scope="module")
 def fake_server():
     engine = FakeEngine(token_delay=0.0)
@@ -209,11 +227,16 @@ def fake_server():
 
 def test_http_bodies_never_get_a_5xx_fake_engine(fake_server):
     server, engine = fake_server
+    sent: dict = {}  # the body being answered: requests are sent one at a time
+    engine.reply_for = lambda request: well_formed_reply(
+        engine.tokenizer.decode(request.input_ids), sent.get("tools", []))
 
     @settings(max_examples=FAKE_EXAMPLES, suppress_health_check=list(HealthCheck))
     @given(requests())
     def answer_is_never_5xx(request):
         route, raw = request
+        sent.clear()
+        sent["tools"] = tool_names(raw)
         check_answer(*post(server.base, route, raw), raw)
 
     answer_is_never_5xx()
@@ -230,9 +253,18 @@ def real_server(tiny_ckpt, tmp_path_factory):
         yield server
 
 
+def tool_names(raw: bytes) -> list[str]:
+    try:
+        body = json.loads(raw)
+        return [tool["function"]["name"] for tool in body["tools"]]
+    except (ValueError, RecursionError, TypeError, KeyError):
+        return []
+
+
 def test_http_bodies_never_get_a_5xx_real_engine(real_server, tiny_ckpt):
-    # The random tiny model writes DSML markup at random, which the chat parser rightly rejects as
-    # an invalid reply (a 500 that is the model's, not the request's): chat bodies stop on it.
+    # The random tiny model writes DSML markup and think markers at random, which the chat parser
+    # rightly rejects as an invalid reply (a 500 that is the model's, not the request's): chat
+    # bodies are served in chat mode without tools, and stop at DSML.
     dsml = Tokenizer.from_dir(tiny_ckpt).dsml_id
 
     @settings(max_examples=REAL_EXAMPLES, suppress_health_check=list(HealthCheck))
@@ -243,7 +275,9 @@ def test_http_bodies_never_get_a_5xx_real_engine(real_server, tiny_ckpt):
             try:
                 body = json.loads(raw)
                 if isinstance(body, dict):
-                    raw = encode({**body, "stop_token_ids": [dsml]})
+                    for field in ("tools", "tool_choice", "reasoning_effort", "response_format"):
+                        body.pop(field, None)
+                    raw = encode({**body, "stop_token_ids": [dsml], "chat_template_kwargs": {"thinking": False}})
             except (ValueError, RecursionError):
                 pass  # not JSON this test can rewrite: sent as drawn
         check_answer(*post(real_server.base, route, raw), raw)

@@ -96,6 +96,8 @@ BAD_BODIES = [
     (GENERATE, {"text": "hi", "sampling_params": {"repetition_penalty": 3}}, 400,
      "sampling_params.repetition_penalty", "invalid_value"),
     (GENERATE, {"text": "hi", "sampling_params": {"logit_bias": {"z": 1}}}, 400, "sampling_params.logit_bias", None),
+    *[(CHAT, {"messages": HELLO, "tools": [{"type": "function", "function": {"name": name}}]}, 400,
+       "tools[0].function.name", None) for name in ("", "get weather", 'f"x', "a\nb", "x" * 65, "名前")],
     # A field dsv4 does not implement is refused, named, never silently dropped.
     (CHAT, {"messages": HELLO, "best_of": 2}, 400, "best_of", "unknown_parameter"),
     (CHAT, {"messages": HELLO, "modalities": ["audio"]}, 400, "modalities", "unknown_parameter"),

@@ -64,9 +64,23 @@ class ForwardChunk(msgspec.Struct, frozen=True, kw_only=True):
     sample: bool
 
 
+class SlotCopy(msgspec.Struct, frozen=True, array_like=True):
+    """Copies one slot-sized unit of the state pools onto another (prefix cache: a slot's boundary
+    snapshot, or a snapshot restored into a slot), each named with its generation."""
+
+    src: int
+    src_generation: int
+    dst: int
+    dst_generation: int
+
+
 class ForwardBatch(msgspec.Struct, frozen=True, kw_only=True):
     tick: int
     chunks: tuple[ForwardChunk, ...]
+    # Prefix cache (docs/PREFIX_CACHE.md): `restores` run before the forward (a hit's slot from its
+    # snapshot), `snapshots` after it (the slots of chunks that ended at a page boundary).
+    restores: tuple[SlotCopy, ...] = ()
+    snapshots: tuple[SlotCopy, ...] = ()
 
 
 class TickPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,6 +125,7 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error_status: int = 500
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI prompt_tokens_details)
 
 
 # == disaggregation (prefill/decode transfer frames; owner: dsv4/disagg) =========================

@@ -16,6 +16,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+from dsv4.cache.metrics import PrefixCacheCollector
+from dsv4.cache.radix import RadixCache
 from dsv4.config import CSA, ModelConfig, ServerArgs
 from dsv4.dist.collectives import TpGroup
 from dsv4.dist.ranks import RankProcesses
@@ -61,12 +63,18 @@ class Engine:
             args.context_length or model_config.max_position_embeddings, runner.num_pages * args.page_size
         )
         self.metrics = EngineMetrics()
-        self.allocator = PageSlotAllocator(runner.num_pages, runner.num_slots)
+        # The runner has a boundary snapshot unit per page unless --disable-radix-cache.
+        self.allocator = PageSlotAllocator(runner.num_pages, runner.num_slots, runner.num_snapshots)
+        prefix_cache = None
+        if runner.num_snapshots:
+            prefix_cache = RadixCache(args.page_size, self.allocator.pages, self.allocator.snapshots)
+            self.metrics.registry.register(PrefixCacheCollector(prefix_cache))
         self.scheduler = Scheduler(
             self.allocator,
             page_size=args.page_size,
             token_budget=args.chunked_prefill_size,
             max_context=self.max_context,
+            prefix_cache=prefix_cache,
         )
         self._clock = clock
         self._forward_deadline = FORWARD_DEADLINE_STALLS * args.tick_stall_timeout
@@ -96,7 +104,7 @@ class Engine:
         self._died = asyncio.Event()
         self._progress_at = clock()
         self._ticks_done = 0
-        self.metrics.observe_capacity(self.allocator.snapshot(), 0, 0)
+        self.metrics.observe_capacity(self.scheduler.capacity(), 0, 0)
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> Engine:
@@ -306,7 +314,7 @@ class Engine:
             entry["pages"] = pages.get(req.rid, [])
             entry["slot"] = slots.get(req.rid, [None])[0]
             requests.append(entry)
-        debug = {"requests": requests, **self.allocator.snapshot(), "tick": self._ticks_done, "ready": self.ready()[0],
+        debug = {"requests": requests, **self.scheduler.capacity(), "tick": self._ticks_done, "ready": self.ready()[0],
                  "tp_size": self.args.tp_size}
         if self._group is not None:
             slowest = self._group.slowest

@@ -103,7 +103,7 @@ class EngineDecodeTarget:
         if not self.engine.scheduler.admits(incoming, self._holding.values()):
             return None
         allocator = self.engine.allocator
-        incoming.pages = allocator.pages.allocate(req.rid, num_pages)
+        incoming.pages = self.engine.scheduler.take_pages(req.rid, num_pages)  # may evict cached pages
         incoming.slot = allocator.slots.allocate(req.rid)[0]
         self._holding[req.rid] = incoming
         return incoming.pages, incoming.slot

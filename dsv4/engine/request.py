@@ -6,6 +6,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dsv4.cache.radix import CacheNode
 from dsv4.memory.allocator import Handle
 from dsv4.protocol import SamplingParams
 
@@ -31,6 +32,10 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     pages: list[Handle] = field(default_factory=list)
     slot: Handle | None = None
+    # Prefix cache: the cached pages this request shares, a root-first chain that is always the start
+    # of `pages` (one reference to each); the rest of `pages` is its own.
+    cached: list[CacheNode] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens that came from the cache when it was first admitted
     num_computed: int = 0  # tokens whose rows are in the pools
     arrival_index: int = -1  # place in arrival order, given by the scheduler
     retractions: int = 0  # times preempted for pages (its rows dropped, to be recomputed)
@@ -74,6 +79,8 @@ class Request:
             "prompt_tokens": len(self.prompt_ids),
             "generated_tokens": len(self.output_ids),
             "computed_tokens": self.num_computed,
+            "cached_tokens": self.cached_tokens,
+            "shared_pages": len(self.cached),
             "age_s": round(now - self.arrival, 3),
             "deadline_in_s": round(self.deadline - now, 3),
             "last_event": self.last_event,

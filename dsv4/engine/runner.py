@@ -47,9 +47,12 @@ class ModelRunner:
         self.page_size = args.page_size
         self.num_pages = args.max_total_tokens // args.page_size
         self.num_slots = args.max_running_requests
+        # Prefix cache boundary snapshots, one per page it may cache; slot-sized units after the slots.
+        self.num_snapshots = 0 if args.disable_radix_cache else self.num_pages
         self.verify_indexer = args.verify_indexer != "off"
         self.verify_indexer_every = args.verify_indexer_every
-        self.pools = StatePools(cfg, num_pages=self.num_pages, num_slots=self.num_slots, page_size=self.page_size,
+        self.pools = StatePools(cfg, num_pages=self.num_pages, num_slots=self.num_slots + self.num_snapshots,
+                                page_size=self.page_size,
                                 dtype=self.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                 index_key_dtype=args.index_key_dtype, device=self.device,
                                 fingerprint_index_keys=self.verify_indexer)
@@ -61,6 +64,12 @@ class ModelRunner:
         pools, returns float32 logits [number of chunks with sample=True, vocab] in chunk order."""
         self._check(batch)
         self.indexer_check = None
+        self._copy_slots(batch.restores)
+        logits = self._forward(batch)
+        self._copy_slots(batch.snapshots)
+        return logits
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if not batch.chunks:
             return torch.zeros((0, self.cfg.vocab_size), dtype=torch.float32)
         plan = build_plan(self.cfg, batch, self.page_size)
@@ -72,6 +81,12 @@ class ModelRunner:
         logits = self.model.forward(plan, verifier).cpu()
         self.indexer_check = verifier
         return logits
+
+    def _copy_slots(self, copies) -> None:
+        """Prefix cache: slot-sized units copied whole (slot <-> boundary snapshot), generations checked."""
+        for c in copies:
+            src = self.pools.slot_view(c.src, c.src_generation)
+            self.pools.slot_view(c.dst, c.dst_generation).copy_(src)
 
     def verify_page_generations(self, page_ids, generations) -> None:
         """Raises StaleReference if any (page, generation) names a page's earlier tenancy."""

@@ -30,6 +30,18 @@ remove every need for a page, so retraction always succeeds. Memory pressure nev
 request: every request fits the pool alone (check_admissible), and the queue's head is the oldest
 waiting request, admitted at the latest when the running requests are done.
 
+Prefix cache (docs/PREFIX_CACHE.md). With a RadixCache, a request's full pages join the cache as it
+computes them: a chunk that ends at a page boundary has its slot copied into a boundary snapshot
+after the forward (`ForwardBatch.snapshots`), and at the next scheduler step the page and snapshot
+become a node that the request itself holds. A prefill chunk of a request that is still caching ends
+at the next page boundary, so that every page gets its snapshot. Admission matches the longest
+cached prefix of whole pages, leaving at least the last token to compute (its logits are sampled),
+shares those pages and restores its slot from the last one's snapshot before the forward
+(`ForwardBatch.restores`); its first chunk starts at that page boundary. No chunk writes a row of a
+position before its start_pos, and every compressed row lives in the page of its window's first
+token, so a shared page is never written. Unreferenced cached pages count as free for admission
+and retraction, and are evicted (LRU) when pages are taken.
+
 On rank 0, deciding a plan and applying its allocations are one step: the allocator is rank 0's
 record of ownership, and the plan names every (page, generation) it hands out, which is all any
 other party (the runner's pools, follower ranks) needs to apply it.
@@ -41,9 +53,10 @@ import math
 from collections import deque
 from collections.abc import Iterable
 
+from dsv4.cache.radix import CacheNode, RadixCache
 from dsv4.engine.request import AdmissionError, Request, RequestState
-from dsv4.memory.allocator import PageSlotAllocator
-from dsv4.protocol import ForwardBatch, ForwardChunk, SamplingParams, TickPlan
+from dsv4.memory.allocator import Handle, PageSlotAllocator
+from dsv4.protocol import ForwardBatch, ForwardChunk, SamplingParams, SlotCopy, TickPlan
 
 INIT_RATIO = 0.7
 MIN_RATIO = 0.1
@@ -56,7 +69,8 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageSlotAllocator, *, page_size: int, token_budget: int, max_context: int):
+    def __init__(self, allocator: PageSlotAllocator, *, page_size: int, token_budget: int, max_context: int,
+                 prefix_cache: RadixCache | None = None):
         if token_budget < allocator.slots.capacity:
             raise ValueError(f"token budget {token_budget} is smaller than the {allocator.slots.capacity} slots")
         self.allocator = allocator
@@ -74,6 +88,10 @@ class Scheduler:
         self._finished_since_plan: list[str] = []
         self._aborted_since_plan: list[str] = []
         self._retracted_since_plan: list[str] = []
+        self.cache = prefix_cache
+        # Boundary snapshots the last plan's forward took, (request, snapshot unit): they join the
+        # cache at the next scheduler step, once that forward is known to be done.
+        self._snapshotted: list[tuple[Request, Handle]] = []
 
     # -- queries ------------------------------------------------------------------------------------
     @property
@@ -88,6 +106,13 @@ class Scheduler:
 
     def requests(self) -> list[Request]:
         return [*self.running, *self.waiting]
+
+    def capacity(self) -> dict:
+        """The allocator's counts, where unreferenced cached pages count as free (they are, on demand)."""
+        snapshot = self.allocator.snapshot()
+        if self.cache is not None:
+            snapshot.update(self.cache.snapshot(), free_pages=self._available_pages())
+        return snapshot
 
     # -- inputs ---------------------------------------------------------------------------------------
     def check_admissible(self, prompt_len: int, sampling: SamplingParams) -> None:
@@ -143,6 +168,7 @@ class Scheduler:
         req = self._by_rid.get(rid)
         if req is None:
             return None
+        self._commit_snapshots()
         if req.state is RequestState.WAITING:
             self.waiting.remove(req)
         self._release(req, finish_reason, error)
@@ -150,31 +176,38 @@ class Scheduler:
         return req
 
     def finish(self, req: Request, finish_reason: str) -> None:
+        self._commit_snapshots()
         self._release(req, finish_reason, None)
         self._finished_since_plan.append(req.rid)
 
     # -- the decision of one tick -------------------------------------------------------------------
     def schedule(self) -> TickPlan:
         """Decides the next tick and records its allocations and retractions."""
+        self._commit_snapshots()
         self._make_room_for_decodes()
         decodes = [r for r in self.running if not r.prefilling]
         for req in decodes:
             missing = pages_for(req.num_tokens, self.page_size) - len(req.pages)
             if missing > 0:
-                req.pages += self.allocator.pages.allocate(req.rid, missing)
+                req.pages += self.take_pages(req.rid, missing)
+        scheduled = list(decodes)
         chunks = [self._chunk(r, r.num_tokens - 1, 1) for r in decodes]
         budget = self.token_budget - len(decodes)
         for req in [r for r in self.running if r.prefilling]:
             if budget == 0:
                 break
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = self._prefill_length(req, budget)
+            scheduled.append(req)
             chunks.append(self._chunk(req, req.num_computed, n))
             budget -= n
-        while budget > 0 and self.waiting and self._admit(self.waiting[0]):
+        restores: list[SlotCopy] = []
+        while budget > 0 and self.waiting and self._admit(self.waiting[0], restores):
             req = self.waiting.popleft()
-            n = min(req.num_tokens, budget)
-            chunks.append(self._chunk(req, 0, n))
+            n = self._prefill_length(req, budget)
+            scheduled.append(req)
+            chunks.append(self._chunk(req, req.num_computed, n))
             budget -= n
+        snapshots = [copy for req in scheduled if (copy := self._snapshot(req)) is not None]
         if self.running:
             self.new_token_ratio = max(MIN_RATIO, self.new_token_ratio - RATIO_DECAY)
         else:
@@ -182,7 +215,8 @@ class Scheduler:
         self._seq += 1
         plan = TickPlan(
             seq=self._seq,
-            batch=ForwardBatch(tick=self._seq, chunks=tuple(chunks)),
+            batch=ForwardBatch(tick=self._seq, chunks=tuple(chunks), restores=tuple(restores),
+                               snapshots=tuple(snapshots)),
             finished=tuple(self._finished_since_plan),
             aborted=tuple(self._aborted_since_plan),
             retracted=tuple(self._retracted_since_plan),
@@ -197,7 +231,7 @@ class Scheduler:
             short = sum(
                 1 for r in self.running if not r.prefilling and len(r.pages) < pages_for(r.num_tokens, self.page_size)
             )
-            free = self.allocator.pages.num_free
+            free = self._available_pages()
             if short <= free:
                 return
             # Decodes only: each has sampled a token since it was (re)admitted.
@@ -227,16 +261,29 @@ class Scheduler:
         whose growth counts as a running request's does."""
         return not self.waiting and self._fits(new, holding)
 
-    def _fits(self, req: Request, holding: Iterable[Request] = ()) -> bool:
-        need = pages_for(req.num_tokens, self.page_size)
-        return self.allocator.slots.num_free > 0 and self.allocator.pages.num_free >= need + self._reserve(req, holding)
+    def _fits(self, req: Request, holding: Iterable[Request] = (), hit: list[CacheNode] = ()) -> bool:
+        """A slot is free, and so are the pages `req` needs beyond the cached ones it `hit`, plus the
+        reserve; `hit`'s unreferenced pages are no longer free once it shares them."""
+        need = pages_for(req.num_tokens, self.page_size) - len(hit)
+        available = self._available_pages() - sum(1 for node in hit if node.refs == 0)
+        return self.allocator.slots.num_free > 0 and available >= need + self._reserve(req, holding)
 
-    def _admit(self, req: Request) -> bool:
-        if not self._fits(req):
+    def _admit(self, req: Request, restores: list[SlotCopy]) -> bool:
+        hit = self._match(req)
+        if not self._fits(req, hit=hit):
             return False
-        need = pages_for(req.num_tokens, self.page_size)
+        if hit:
+            self.cache.acquire(hit)  # first: so that taking pages cannot evict them
         (req.slot,) = self.allocator.slots.allocate(req.rid)
-        req.pages = self.allocator.pages.allocate(req.rid, need)
+        req.pages = [node.page for node in hit] + self.take_pages(
+            req.rid, pages_for(req.num_tokens, self.page_size) - len(hit))
+        req.cached = hit
+        req.num_computed = len(hit) * self.page_size
+        if not req.output_ids:
+            req.cached_tokens = req.num_computed
+        if hit:
+            restores.append(SlotCopy(self._snapshot_unit(hit[-1].snapshot), hit[-1].snapshot.generation,
+                                     req.slot.id, req.slot.generation))
         req.state = RequestState.RUNNING
         req.last_event = "readmitted" if req.retractions else "admitted"
         self.running.append(req)
@@ -252,6 +299,64 @@ class Scheduler:
         more = min(req.sampling.max_new_tokens - len(req.output_ids), RESERVE_CLIP_TOKENS)
         # The rows of every token but the last sampled one.
         return max(0, pages_for(req.num_tokens - 1 + more, self.page_size) - held)
+
+    def take_pages(self, owner: str, count: int) -> list[Handle]:
+        """`count` pages for `owner`, evicting unreferenced cached pages if too few are free."""
+        short = count - self.allocator.pages.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return self.allocator.pages.allocate(owner, count)
+
+    def _available_pages(self) -> int:
+        return self.allocator.pages.num_free + (self.cache.num_unreferenced if self.cache is not None else 0)
+
+    # -- prefix cache -------------------------------------------------------------------------------
+    def _match(self, req: Request) -> list[CacheNode]:
+        if self.cache is None:
+            return []
+        # The last token is always computed: its logits give the next token.
+        return self.cache.match((*req.prompt_ids, *req.output_ids), (req.num_tokens - 1) // self.page_size)
+
+    def _caching(self, req: Request) -> bool:
+        """Every full page before `req`'s next chunk is a cached node it holds: its next page can join."""
+        return self.cache is not None and len(req.cached) == req.num_computed // self.page_size
+
+    def _prefill_length(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed, budget)
+        if self._caching(req):  # end at the page boundary, where the snapshot is taken
+            n = min(n, self.page_size - req.num_computed % self.page_size)
+        return n
+
+    def _snapshot(self, req: Request) -> SlotCopy | None:
+        """After its chunk, `req` has computed exactly a page boundary and may cache that page: its slot
+        is copied into a snapshot unit after the forward (None: nothing to cache)."""
+        end = req.num_computed
+        if self.cache is None or end % self.page_size or len(req.cached) != end // self.page_size - 1:
+            return None
+        units = self.allocator.snapshots
+        if units.num_free == 0 and not self.cache.evict(1):
+            return None  # every snapshot is shared: this page and the request's later ones stay its own
+        (unit,) = units.allocate(req.rid)
+        self._snapshotted.append((req, unit))
+        return SlotCopy(req.slot.id, req.slot.generation, self._snapshot_unit(unit), unit.generation)
+
+    def _snapshot_unit(self, snapshot: Handle) -> int:
+        """Snapshot units follow the slots in the pools."""
+        return self.allocator.slots.capacity + snapshot.id
+
+    def _commit_snapshots(self) -> None:
+        """The last plan's forward is done: each page it completed joins the cache with its snapshot,
+        held by its request (or, cached already by another request, stays the request's own)."""
+        P = self.page_size
+        for req, unit in self._snapshotted:
+            index = len(req.cached)
+            key = tuple(req.token_at(p) for p in range(index * P, (index + 1) * P))
+            node = self.cache.insert(req.cached[-1] if req.cached else None, key, req.pages[index], unit)
+            if node is None:
+                self.allocator.snapshots.free(unit)
+            else:
+                req.cached.append(node)
+        self._snapshotted.clear()
 
     def _chunk(self, req: Request, start: int, n: int) -> ForwardChunk:
         decode = not req.prefilling and req.num_computed > 0
@@ -272,11 +377,13 @@ class Scheduler:
         )
 
     def _free_resources(self, req: Request) -> None:
-        for handle in req.pages:
+        if req.cached:
+            self.cache.release(req.cached)
+        for handle in req.pages[len(req.cached):]:
             self.allocator.pages.free(handle)
         if req.slot is not None:
             self.allocator.slots.free(req.slot)
-        req.pages, req.slot = [], None
+        req.pages, req.slot, req.cached = [], None, []
 
     def _number(self, req: Request) -> None:
         req.arrival_index = self._arrivals

@@ -196,7 +196,7 @@ class Ticker:
         self._metrics.ticks.inc()
         self._metrics.tick_duration.observe(self._clock() - started)
         self._metrics.observe_capacity(
-            self.scheduler.allocator.snapshot(), len(self.scheduler.running), len(self.scheduler.waiting)
+            self.scheduler.capacity(), len(self.scheduler.running), len(self.scheduler.waiting)
         )
         return plan
 
@@ -384,6 +384,7 @@ class Ticker:
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
             error_status=req.error_status,
+            cached_tokens=req.cached_tokens,
         )
 
     def _forget(self, req: Request, now: float) -> None:

@@ -65,6 +65,11 @@ class GenerationalAllocator:
         self._owner[handle.id] = None
         self._free.append(handle.id)
 
+    def reassign(self, handle: Handle, owner: str) -> None:
+        """Hands a held id to another owner (a request's full page to the prefix cache), same tenancy."""
+        self.check(handle)
+        self._owner[handle.id] = owner
+
     def check(self, handle: Handle) -> None:
         """Raises unless `handle` names the current tenancy of a held id."""
         i, generation = handle
@@ -85,11 +90,13 @@ class GenerationalAllocator:
 
 
 class PageSlotAllocator:
-    """The pages of the KV pools and the per-request state slots of one instance."""
+    """The pages of the KV pools and the per-request state slots of one instance, and the prefix
+    cache's boundary snapshots (slot-sized units after the slots in the pools; docs/PREFIX_CACHE.md)."""
 
-    def __init__(self, num_pages: int, num_slots: int):
+    def __init__(self, num_pages: int, num_slots: int, num_snapshots: int = 0):
         self.pages = GenerationalAllocator("page", num_pages)
         self.slots = GenerationalAllocator("slot", num_slots)
+        self.snapshots = GenerationalAllocator("snapshot", num_snapshots) if num_snapshots else None
 
     def snapshot(self) -> dict:
         return {

@@ -54,7 +54,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await stream(request, call, _ChatStream(reply, include_usage))
         _, text, final = await collect(call)
-        return json_response(reply.whole(text, final.finish_reason, call.completion_tokens))
+        return json_response(reply.whole(text, final.finish_reason, call.completion_tokens, call.cached_tokens))
 
 
 def stray_think_markers(tokenizer, thinking: bool) -> tuple[int, ...]:
@@ -89,11 +89,11 @@ class _ChatReply:
         return {**self._envelope("chat.completion.chunk"),
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
-    def usage_chunk(self, completion_tokens: int) -> dict:
+    def usage_chunk(self, completion_tokens: int, cached_tokens: int) -> dict:
         return {**self._envelope("chat.completion.chunk"), "choices": [],
-                "usage": usage(self.prompt_tokens, completion_tokens)}
+                "usage": usage(self.prompt_tokens, completion_tokens, cached_tokens)}
 
-    def whole(self, text: str, engine_finish_reason: str | None, completion_tokens: int) -> dict:
+    def whole(self, text: str, engine_finish_reason: str | None, completion_tokens: int, cached_tokens: int) -> dict:
         self.parser.feed(text)
         _, info = self.finish(engine_finish_reason)
         if info["parse_error"]:
@@ -111,7 +111,7 @@ class _ChatReply:
         return {**self._envelope("chat.completion"),
                 "choices": [{"index": 0, "message": message, "logprobs": None,
                              "finish_reason": info["finish_reason"]}],
-                "usage": usage(self.prompt_tokens, completion_tokens)}
+                "usage": usage(self.prompt_tokens, completion_tokens, cached_tokens)}
 
     def _envelope(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
@@ -147,4 +147,4 @@ class _ChatStream:
     def closing(self, call) -> list:
         if self.failed or not self.include_usage:
             return []
-        return [self.reply.usage_chunk(call.completion_tokens)]
+        return [self.reply.usage_chunk(call.completion_tokens, call.cached_tokens)]

@@ -16,11 +16,12 @@ from dsv4.server.streaming import collect, engine_call, stream
 DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for this endpoint
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -42,7 +43,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await stream(request, call, _CompletionStream(chunk, include_usage))
         _, text, final = await collect(call)
-        return json_response(chunk.whole(text, final.finish_reason, call.completion_tokens))
+        return json_response(chunk.whole(text, final.finish_reason, call.completion_tokens, call.cached_tokens))
 
 
 def _check_unsupported(body: v.CompletionBody) -> None:
@@ -85,11 +86,11 @@ class _ChunkBuilder:
     def delta(self, text: str, finish_reason: str | None) -> dict:
         return self._envelope([{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}])
 
-    def usage_only(self, completion_tokens: int) -> dict:
-        return {**self._envelope([]), "usage": usage(self.prompt_tokens, completion_tokens)}
+    def usage_only(self, completion_tokens: int, cached_tokens: int) -> dict:
+        return {**self._envelope([]), "usage": usage(self.prompt_tokens, completion_tokens, cached_tokens)}
 
-    def whole(self, text: str, finish_reason: str | None, completion_tokens: int) -> dict:
-        return {**self.delta(text, finish_reason), "usage": usage(self.prompt_tokens, completion_tokens)}
+    def whole(self, text: str, finish_reason: str | None, completion_tokens: int, cached_tokens: int) -> dict:
+        return {**self.delta(text, finish_reason), "usage": usage(self.prompt_tokens, completion_tokens, cached_tokens)}
 
 
 class _CompletionStream:
@@ -106,4 +107,4 @@ class _CompletionStream:
         return [self.chunk.delta(output.text, output.finish_reason if output.finished else None)]
 
     def closing(self, call) -> list:
-        return [self.chunk.usage_only(call.completion_tokens)] if self.include_usage else []
+        return [self.chunk.usage_only(call.completion_tokens, call.cached_tokens)] if self.include_usage else []

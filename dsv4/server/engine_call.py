@@ -46,6 +46,7 @@ class EngineCall:
         self.finished = False
         self._aborted = False
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the prefix cache served (every output carries it)
 
     @property
     def rid(self) -> str:
@@ -90,6 +91,7 @@ class EngineCall:
             self.finished = True
             raise self._not_admitted(e) from None
         self.completion_tokens += len(output.token_ids)
+        self.cached_tokens = output.cached_tokens
         self.finished = output.finished
         return output
 

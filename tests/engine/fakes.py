@@ -2,7 +2,8 @@
 
 Next-token logits are a pure function of the tokens fed so far, so the engine's output can be
 checked token for token whatever the batching and chunking. The fake also checks what the real
-pools check: (id, generation) of every page and slot, slot continuity and page coverage.
+pools check: (id, generation) of every page and slot, slot continuity and page coverage. Its
+"slot state" is the token history, so prefix-cache snapshots and restores copy histories.
 """
 
 from __future__ import annotations
@@ -32,18 +33,20 @@ class ScriptedRunner:
     def __init__(self, *, vocab: int, num_pages: int, num_slots: int, page_size: int,
                  avoid: frozenset[int] = frozenset(), forward_delay: float = 0.0):
         self.vocab, self.num_pages, self.num_slots, self.page_size = vocab, num_pages, num_slots, page_size
+        self.num_snapshots = num_pages  # as ModelRunner: one boundary snapshot per page
         self.avoid = avoid
         self.forward_delay = forward_delay
         self.forwards = 0
         self._history: dict[int, list[int]] = {}
         self._page_generation = [0] * num_pages
-        self._slot_generation = [0] * num_slots
+        self._slot_generation = [0] * (num_slots + self.num_snapshots)
 
     def forward(self, batch):
         self.forwards += 1
         if self.forward_delay:
             time.sleep(self.forward_delay)
         rows = []
+        self._copy(batch.restores)
         slots = [c.slot for c in batch.chunks]
         assert len(set(slots)) == len(slots), "two chunks share a slot"
         for c in batch.chunks:
@@ -60,7 +63,14 @@ class ScriptedRunner:
                 logits = torch.zeros(self.vocab)
                 logits[next_token(history, self.vocab, self.avoid)] = 4.0
                 rows.append(logits)
+        self._copy(batch.snapshots)
         return torch.stack(rows) if rows else torch.empty(0, self.vocab)
+
+    def _copy(self, copies) -> None:
+        for c in copies:
+            self._bind(self._slot_generation, "slot", c.src, c.src_generation)
+            self._bind(self._slot_generation, "slot", c.dst, c.dst_generation)
+            self._history[c.dst] = list(self._history.get(c.src, []))
 
     @staticmethod
     def _bind(record: list[int], kind: str, i: int, generation: int) -> None:

@@ -65,7 +65,8 @@ async def test_plain_reply_stream_and_whole(client, engine):
     assert (got["content"], got["finish_reason"], got["calls"]) == ("Hi there!", "stop", {})
     prompt_tokens = len(engine.submitted[-1].input_ids)
     assert events[-1]["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": len(reply),
-                                   "total_tokens": prompt_tokens + len(reply)}
+                                   "total_tokens": prompt_tokens + len(reply),
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
     assert prompt_of(engine) == chat.encode_messages(USER)
 
     whole = await (await client.post("/v1/chat/completions", json={"messages": USER})).json()

@@ -36,14 +36,15 @@ async def test_completion_stream_frames_and_usage(client):
     assert len({c["id"] for c in events}) == 1 and chunks[0]["object"] == "text_completion"
     assert usage_chunk["choices"] == []
     assert usage_chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": len(REPLY),
-                                    "total_tokens": 2 + len(REPLY)}
+                                    "total_tokens": 2 + len(REPLY), "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_completion_non_stream_truncated(client):
     response = await client.post("/v1/completions", json={"prompt": [72, 105], "max_tokens": 5})
     body = await response.json()
     assert body["choices"][0] == {"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_generate_stream_and_whole(client, engine):

@@ -131,7 +131,7 @@ def test_sharded_checkpoint_with_index_loads_the_same(tmp_path, tiny_random, tru
 def test_large_checkpoints_log_one_line_per_shard(tmp_path, tiny_random, monkeypatch, caplog):
     cfg, state_dict = tiny_random
     shards = save_checkpoint(tmp_path, cfg, state_dict, max_shard_bytes=1_000_000)
-    monkeypatch.setattr("dsv4.weights.PROGRESS_LOG_BYTES", 0)
+    monkeypatch.setattr("dsv4.weights.load.PROGRESS_LOG_BYTES", 0)
     with caplog.at_level(logging.INFO, logger="dsv4.weights"):
         load_state_dict(tmp_path, cfg)
     lines = [r.getMessage() for r in caplog.records if "GB/s" in r.getMessage()]

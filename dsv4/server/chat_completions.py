@@ -22,7 +22,7 @@ from dsv4.server.errors import bad_request, server_error
 from dsv4.server.http_metrics import HttpMetrics
 from dsv4.server.ops import json_response
 from dsv4.server.state import ARGS, ENGINE, HTTP_METRICS, REQUEST_ID
-from dsv4.server.streaming import collect, engine_call, stream
+from dsv4.server.streaming import choices, collect, stream
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine, args = request.app[ENGINE], request.app[ARGS]
     body: v.ChatCompletionBody = await v.decode_body(request, v.ChatCompletionBody, args)
     v.check_model(body.model, engine.model_name)
-    v.check_single_choice(body.n)
+    v.check_choices(body.n)
     if body.logprobs or body.top_logprobs:
         param = "logprobs" if body.logprobs else "top_logprobs"
         raise bad_request("logprobs are not supported", param=param, code="unsupported_parameter")
@@ -47,14 +47,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     )
     v.check_fits(len(input_ids), max_tokens, engine.max_context, "messages", tokens_param)
     reply = _ChatReply(
-        f"chatcmpl-{request[REQUEST_ID]}", engine.model_name, prompt, len(input_ids), request.app[HTTP_METRICS]
+        f"chatcmpl-{request[REQUEST_ID]}", engine.model_name, prompt, len(input_ids), request.app[HTTP_METRICS], body.n
     )
-    async with engine_call(request, input_ids, sampling, "messages") as call:
+    async with choices(request, input_ids, sampling, "messages", body.n) as chosen:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream(request, call, _ChatStream(reply, include_usage))
-        _, text, final = await collect(call)
-        return json_response(reply.whole(text, final.finish_reason, call.completion_tokens, call.cached_tokens))
+            return await stream(request, chosen, _ChatStream(reply, include_usage))
+        results = await collect(chosen)
+        return json_response(reply.whole([(text, final.finish_reason) for _, text, final in results],
+                                         chosen.completion_tokens, chosen.cached_tokens))
 
 
 def stray_think_markers(tokenizer, thinking: bool) -> tuple[int, ...]:
@@ -68,34 +69,43 @@ def stray_think_markers(tokenizer, thinking: bool) -> tuple[int, ...]:
 class _ChatReply:
     """Builds the response objects of one request around its parser."""
 
-    def __init__(self, completion_id: str, model: str, prompt: ChatPrompt, prompt_tokens: int, metrics: HttpMetrics):
+    def __init__(self, completion_id: str, model: str, prompt: ChatPrompt, prompt_tokens: int, metrics: HttpMetrics,
+                 n: int):
         self.id = completion_id
         self.metrics = metrics
         self.model = model
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         self.thinking = prompt.thinking
-        self.parser = chat.StreamingChatParser(thinking=prompt.thinking, tools=prompt.tool_names)
-        self.forced_deltas = self.parser.feed(prompt.forced_start) if prompt.forced_start else []
+        # One parser per choice, each fed the forced start of the completion first.
+        self.parsers = [chat.StreamingChatParser(thinking=prompt.thinking, tools=prompt.tool_names) for _ in range(n)]
+        forced = [parser.feed(prompt.forced_start) if prompt.forced_start else [] for parser in self.parsers]
+        self.forced_deltas = forced[0]
 
-    def finish(self, engine_finish_reason: str | None) -> tuple[list[dict], dict]:
-        deltas, info = self.parser.finish(engine_finish_reason)
+    def finish(self, index: int, engine_finish_reason: str | None) -> tuple[list[dict], dict]:
+        deltas, info = self.parsers[index].finish(engine_finish_reason)
         if info["parse_error"]:
             self.metrics.chat_parse_errors.inc()
             log.warning("%s: model output rejected by the chat parser: %s", self.id, info["error"])
         return deltas, info
 
-    def chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
+    def chunk(self, index: int, delta: dict, finish_reason: str | None = None) -> dict:
         return {**self._envelope("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
     def usage_chunk(self, completion_tokens: int, cached_tokens: int) -> dict:
         return {**self._envelope("chat.completion.chunk"), "choices": [],
                 "usage": usage(self.prompt_tokens, completion_tokens, cached_tokens)}
 
-    def whole(self, text: str, engine_finish_reason: str | None, completion_tokens: int, cached_tokens: int) -> dict:
-        self.parser.feed(text)
-        _, info = self.finish(engine_finish_reason)
+    def whole(self, results: list[tuple[str, str | None]], completion_tokens: int, cached_tokens: int) -> dict:
+        """The response from each choice's (text, engine finish reason)."""
+        return {**self._envelope("chat.completion"),
+                "choices": [self._choice(i, text, reason) for i, (text, reason) in enumerate(results)],
+                "usage": usage(self.prompt_tokens, completion_tokens, cached_tokens)}
+
+    def _choice(self, index: int, text: str, engine_finish_reason: str | None) -> dict:
+        self.parsers[index].feed(text)
+        _, info = self.finish(index, engine_finish_reason)
         if info["parse_error"]:
             raise invalid_output(info)
         message: dict = {"role": "assistant", "content": info["content"]}
@@ -108,10 +118,7 @@ class _ChatReply:
                  "function": {"name": call["name"], "arguments": call["arguments_json"]}}
                 for call in info["tool_calls"]
             ]
-        return {**self._envelope("chat.completion"),
-                "choices": [{"index": 0, "message": message, "logprobs": None,
-                             "finish_reason": info["finish_reason"]}],
-                "usage": usage(self.prompt_tokens, completion_tokens, cached_tokens)}
+        return {"index": index, "message": message, "logprobs": None, "finish_reason": info["finish_reason"]}
 
     def _envelope(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
@@ -128,23 +135,25 @@ class _ChatStream:
         self.failed = False
 
     def opening(self) -> list:
-        first = self.reply.chunk({"role": "assistant", "content": ""})
-        return [first, *(self.reply.chunk(d) for d in self.reply.forced_deltas)]
+        return [chunk for i in range(len(self.reply.parsers)) for chunk in (
+            self.reply.chunk(i, {"role": "assistant", "content": ""}),
+            *(self.reply.chunk(i, d) for d in self.reply.forced_deltas))]
 
-    def events(self, output: RequestOutput) -> list:
-        deltas = self.reply.parser.feed(output.text) if output.text else []
-        events = [self.reply.chunk(d) for d in deltas]
+    def events(self, index: int, output: RequestOutput) -> list:
+        reply = self.reply
+        deltas = reply.parsers[index].feed(output.text) if output.text else []
+        events = [reply.chunk(index, d) for d in deltas]
         if output.finished:
-            deltas, info = self.reply.finish(output.finish_reason)
-            events += [self.reply.chunk(d) for d in deltas]
+            deltas, info = reply.finish(index, output.finish_reason)
+            events += [reply.chunk(index, d) for d in deltas]
             if info["parse_error"]:
                 self.failed = True
                 events.append(invalid_output(info).body())
             else:
-                events.append(self.reply.chunk({}, info["finish_reason"]))
+                events.append(reply.chunk(index, {}, info["finish_reason"]))
         return events
 
-    def closing(self, call) -> list:
+    def closing(self, chosen) -> list:
         if self.failed or not self.include_usage:
             return []
-        return [self.reply.usage_chunk(call.completion_tokens, call.cached_tokens)]
+        return [self.reply.usage_chunk(chosen.completion_tokens, chosen.cached_tokens)]

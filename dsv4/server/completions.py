@@ -11,7 +11,7 @@ from dsv4.server import validation as v
 from dsv4.server.errors import bad_request
 from dsv4.server.ops import json_response
 from dsv4.server.state import ARGS, ENGINE, REQUEST_ID
-from dsv4.server.streaming import collect, engine_call, stream
+from dsv4.server.streaming import choices, collect, stream
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for this endpoint
 
@@ -29,7 +29,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine, args = request.app[ENGINE], request.app[ARGS]
     body: v.CompletionBody = await v.decode_body(request, v.CompletionBody, args)
     v.check_model(body.model, engine.model_name)
-    v.check_single_choice(body.n)
+    v.check_choices(body.n)
     _check_unsupported(body)
     input_ids = await _prompt_ids(body.prompt, engine)
     v.check_prompt_ids(input_ids, engine.model_config.vocab_size, "prompt")
@@ -38,12 +38,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                vocab_size=engine.model_config.vocab_size)
     v.check_fits(len(input_ids), max_tokens, engine.max_context, "prompt", "max_tokens")
     chunk = _ChunkBuilder(f"cmpl-{request[REQUEST_ID]}", engine.model_name, len(input_ids))
-    async with engine_call(request, input_ids, sampling, "prompt") as call:
+    async with choices(request, input_ids, sampling, "prompt", body.n) as chosen:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream(request, call, _CompletionStream(chunk, include_usage))
-        _, text, final = await collect(call)
-        return json_response(chunk.whole(text, final.finish_reason, call.completion_tokens, call.cached_tokens))
+            return await stream(request, chosen, _CompletionStream(chunk, include_usage))
+        results = await collect(chosen)
+        return json_response(chunk.whole([(text, final.finish_reason) for _, text, final in results],
+                                         chosen.completion_tokens, chosen.cached_tokens))
 
 
 def _check_unsupported(body: v.CompletionBody) -> None:
@@ -53,8 +54,9 @@ def _check_unsupported(body: v.CompletionBody) -> None:
         raise bad_request("echo is not supported", param="echo", code="unsupported_parameter")
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
-    if body.best_of not in (None, 1):
-        raise bad_request("only best_of=1 is supported", param="best_of", code="unsupported_parameter")
+    if body.best_of is not None and body.best_of != body.n:
+        # Picking the best of more sequences than are returned ranks them by logprob: not yet.
+        raise bad_request("best_of must equal n (or be omitted)", param="best_of", code="unsupported_parameter")
 
 
 async def _prompt_ids(prompt, engine) -> list[int]:
@@ -83,14 +85,20 @@ class _ChunkBuilder:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def delta(self, text: str, finish_reason: str | None) -> dict:
-        return self._envelope([{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+    def delta(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return self._envelope([_choice(index, text, finish_reason)])
 
     def usage_only(self, completion_tokens: int, cached_tokens: int) -> dict:
         return {**self._envelope([]), "usage": usage(self.prompt_tokens, completion_tokens, cached_tokens)}
 
-    def whole(self, text: str, finish_reason: str | None, completion_tokens: int, cached_tokens: int) -> dict:
-        return {**self.delta(text, finish_reason), "usage": usage(self.prompt_tokens, completion_tokens, cached_tokens)}
+    def whole(self, results: list[tuple[str, str | None]], completion_tokens: int, cached_tokens: int) -> dict:
+        """The response from each choice's (text, finish reason)."""
+        return {**self._envelope([_choice(i, text, reason) for i, (text, reason) in enumerate(results)]),
+                "usage": usage(self.prompt_tokens, completion_tokens, cached_tokens)}
+
+
+def _choice(index: int, text: str, finish_reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
 
 class _CompletionStream:
@@ -101,10 +109,10 @@ class _CompletionStream:
     def opening(self) -> list:
         return []
 
-    def events(self, output: RequestOutput) -> list:
+    def events(self, index: int, output: RequestOutput) -> list:
         if not output.text and not output.finished:
             return []
-        return [self.chunk.delta(output.text, output.finish_reason if output.finished else None)]
+        return [self.chunk.delta(index, output.text, output.finish_reason if output.finished else None)]
 
-    def closing(self, call) -> list:
-        return [self.chunk.usage_only(call.completion_tokens, call.cached_tokens)] if self.include_usage else []
+    def closing(self, chosen) -> list:
+        return [self.chunk.usage_only(chosen.completion_tokens, chosen.cached_tokens)] if self.include_usage else []

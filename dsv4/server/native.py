@@ -11,7 +11,7 @@ from dsv4.server import validation as v
 from dsv4.server.errors import bad_request
 from dsv4.server.ops import json_response
 from dsv4.server.state import ARGS, ENGINE, REQUEST_ID
-from dsv4.server.streaming import collect, engine_call, stream
+from dsv4.server.streaming import choices, collect, stream
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -31,10 +31,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
                                vocab_size=engine.model_config.vocab_size, field_prefix="sampling_params.")
     v.check_fits(len(input_ids), params.max_new_tokens, engine.max_context, prompt_param, tokens_param)
     result = _ResultBuilder(request[REQUEST_ID], len(input_ids))
-    async with engine_call(request, input_ids, sampling, prompt_param) as call:
+    async with choices(request, input_ids, sampling, prompt_param) as chosen:
         if body.stream:
-            return await stream(request, call, _GenerateStream(result, call))
-        token_ids, text, final = await collect(call)
+            return await stream(request, chosen, _GenerateStream(result, chosen))
+        ((token_ids, text, final),) = await collect(chosen)
         return json_response(result.build(token_ids, text, final.finish_reason, len(token_ids)))
 
 
@@ -61,18 +61,18 @@ class _ResultBuilder:
 class _GenerateStream:
     """Each event carries the new ids and text; counts and latency are running totals."""
 
-    def __init__(self, result: _ResultBuilder, call):
+    def __init__(self, result: _ResultBuilder, chosen):
         self.result = result
-        self.call = call
+        self.chosen = chosen
 
     def opening(self) -> list:
         return []
 
-    def events(self, output: RequestOutput) -> list:
+    def events(self, index: int, output: RequestOutput) -> list:
         if not output.token_ids and not output.finished:
             return []
         finish_reason = output.finish_reason if output.finished else None
-        return [self.result.build(output.token_ids, output.text, finish_reason, self.call.completion_tokens)]
+        return [self.result.build(output.token_ids, output.text, finish_reason, self.chosen.completion_tokens)]
 
-    def closing(self, call) -> list:
+    def closing(self, chosen) -> list:
         return []

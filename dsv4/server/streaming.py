@@ -1,16 +1,21 @@
-"""The shared shape of every generation route: submit, then stream events or collect one result.
+"""The shared shape of every generation route: submit, then stream events or collect the result.
 
-A route supplies a translator that turns engine outputs into its own event payloads; this module
-owns the order (first output before headers, so a request the engine refuses is still a plain
-4xx), failures (an SSE error event then [DONE] once streaming began) and disconnects.
+A request asks for `n` choices: parallel sequences of one prompt, each its own engine request
+(`Choices`). A route supplies a translator that turns each choice's engine outputs into its own
+event payloads; this module owns the order (first output before headers, so a request the engine
+refuses is still a plain 4xx), failures (an SSE error event then [DONE] once streaming began; one
+failed choice fails the request and ends the others) and disconnects.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import Protocol
+from contextlib import AsyncExitStack
+from typing import Protocol, Self
 
+import msgspec
 from aiohttp import web
 
 from dsv4.protocol import GenerationRequest, RequestOutput, SamplingParams
@@ -22,22 +27,99 @@ from dsv4.server.state import ARGS, CLIENT_LEFT, ENGINE, HTTP_METRICS, REQUEST_I
 log = logging.getLogger(__name__)
 
 FAILED = frozenset({"error", "abort"})
+_INT64 = 2**64
 
 
 class Translator(Protocol):
     def opening(self) -> list: ...
-    def events(self, output: RequestOutput) -> list: ...
-    def closing(self, call: EngineCall) -> list: ...
+    def events(self, index: int, output: RequestOutput) -> list: ...
+    def closing(self, choices: Choices) -> list: ...
 
 
-def engine_call(request: web.Request, input_ids: list[int], sampling: SamplingParams, prompt_param: str) -> EngineCall:
-    generation = GenerationRequest(
-        rid=request[REQUEST_ID],
-        input_ids=tuple(input_ids),
-        sampling=sampling,
-        deadline=time.monotonic() + request.app[ARGS].request_timeout,
-    )
-    return EngineCall(request.app[ENGINE], request, generation, prompt_param)
+class Choices:
+    """The `n` sequences of one request, as one stream of (choice index, output).
+
+    Choice i is engine request `<request id>-<i>` (the request id itself when n is 1) with seed
+    `seed + i`, so seeded choices differ from each other and reproduce. The first choice runs alone
+    until its first output, by which time its prompt is computed: the others then find the prompt's
+    full pages in the prefix cache instead of computing them again. Every unfinished choice is
+    aborted when the request ends, whatever ended it.
+    """
+
+    def __init__(self, calls: list[EngineCall]):
+        self.calls = calls
+        self._stack = AsyncExitStack()
+        self._pending: dict[int, asyncio.Task] = {}
+        self._first: RequestOutput | None = None
+
+    @property
+    def rid(self) -> str:
+        return self.calls[0].rid
+
+    @property
+    def finished(self) -> bool:
+        return all(call.finished for call in self.calls)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(call.completion_tokens for call in self.calls)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served by the prefix cache, counted once like the prompt itself."""
+        return max(call.cached_tokens for call in self.calls)
+
+    def client_gone(self) -> bool:
+        return self.calls[0].client_gone()
+
+    async def __aenter__(self) -> Self:
+        await self._stack.__aenter__()
+        try:
+            await self._stack.enter_async_context(self.calls[0])
+            if len(self.calls) > 1:
+                self._first = await next_output(self.calls[0])
+                if not self._first.finished or self._first.finish_reason not in FAILED:
+                    for call in self.calls[1:]:
+                        await self._stack.enter_async_context(call)
+        except BaseException:
+            await self._stack.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        for task in self._pending.values():
+            task.cancel()
+        await asyncio.gather(*self._pending.values(), return_exceptions=True)
+        await self._stack.__aexit__(*exc_info)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return 0, first
+        for i, call in enumerate(self.calls):
+            if not call.finished and i not in self._pending:
+                self._pending[i] = asyncio.ensure_future(next_output(call))
+        if not self._pending:
+            raise StopAsyncIteration
+        done, _ = await asyncio.wait(self._pending.values(), return_when=asyncio.FIRST_COMPLETED)
+        index = min(i for i, task in self._pending.items() if task in done)
+        return index, self._pending.pop(index).result()
+
+
+def choices(request: web.Request, input_ids: list[int], sampling: SamplingParams, prompt_param: str,
+            n: int = 1) -> Choices:
+    deadline = time.monotonic() + request.app[ARGS].request_timeout
+    calls = []
+    for i in range(n):
+        seeded = sampling if sampling.seed is None or i == 0 else msgspec.structs.replace(
+            sampling, seed=(sampling.seed + i + _INT64 // 2) % _INT64 - _INT64 // 2)  # stays in int64
+        rid = request[REQUEST_ID] if n == 1 else f"{request[REQUEST_ID]}-{i}"
+        generation = GenerationRequest(rid=rid, input_ids=tuple(input_ids), sampling=seeded, deadline=deadline)
+        calls.append(EngineCall(request.app[ENGINE], request, generation, prompt_param))
+    return Choices(calls)
 
 
 def failure(output: RequestOutput) -> ApiError:
@@ -54,11 +136,11 @@ async def next_output(call: EngineCall) -> RequestOutput:
         raise server_error("the engine ended the request without a final result") from None
 
 
-async def stream(request: web.Request, call: EngineCall, translator: Translator) -> web.StreamResponse:
-    """Runs inside `async with call`; returns the (already sent) SSE response."""
-    output = await next_output(call)  # raises before any header is sent
+async def stream(request: web.Request, choices: Choices, translator: Translator) -> web.StreamResponse:
+    """Runs inside `async with choices`; returns the (already sent) SSE response."""
+    index, output = await anext(choices)  # raises before any header is sent
     if output.finished and output.finish_reason in FAILED:
-        raise ClientGone() if call.client_gone() else failure(output)
+        raise ClientGone() if choices.client_gone() else failure(output)
     sse = SSEStream(request)
     try:
         await sse.open()
@@ -68,39 +150,40 @@ async def stream(request: web.Request, call: EngineCall, translator: Translator)
             if output.finished and output.finish_reason in FAILED:
                 await sse.send_error(failure(output))
                 break
-            for payload in translator.events(output):
+            for payload in translator.events(index, output):
                 await sse.send(payload)
-            if output.finished:
-                for payload in translator.closing(call):
+            if choices.finished:
+                for payload in translator.closing(choices):
                     await sse.send(payload)
                 break
-            output = await next_output(call)
+            index, output = await anext(choices)
         await sse.close()
     except ClientGone as e:
         request[CLIENT_LEFT] = True
-        log.info("request %s: the client went away mid-stream: %s", call.rid, e)
+        log.info("request %s: the client went away mid-stream: %s", choices.rid, e)
         request.app[HTTP_METRICS].client_disconnects.labels(request.path).inc()
         sse.response.force_close()
     except ApiError as e:
         await _send_final_error(sse, e)
     except Exception:
-        log.exception("request %s failed mid-stream", call.rid)
-        await _send_final_error(sse, server_error(f"internal error; request id {call.rid}"))
+        log.exception("request %s failed mid-stream", choices.rid)
+        await _send_final_error(sse, server_error(f"internal error; request id {choices.rid}"))
     return sse.response
 
 
-async def collect(call: EngineCall) -> tuple[list[int], str, RequestOutput]:
-    """Waits for the whole result: (token ids, text, final output)."""
-    token_ids: list[int] = []
-    pieces: list[str] = []
-    while True:
-        output = await next_output(call)
+async def collect(choices: Choices) -> list[tuple[list[int], str, RequestOutput]]:
+    """Waits for every choice's whole result: (token ids, text, final output), in choice order."""
+    token_ids: list[list[int]] = [[] for _ in choices.calls]
+    pieces: list[list[str]] = [[] for _ in choices.calls]
+    finals: list[RequestOutput | None] = [None] * len(choices.calls)
+    async for index, output in choices:
         if output.finished and output.finish_reason in FAILED:
-            raise ClientGone() if call.client_gone() else failure(output)
-        token_ids.extend(output.token_ids)
-        pieces.append(output.text)
+            raise ClientGone() if choices.client_gone() else failure(output)
+        token_ids[index].extend(output.token_ids)
+        pieces[index].append(output.text)
         if output.finished:
-            return token_ids, "".join(pieces), output
+            finals[index] = output
+    return [(ids, "".join(text), final) for ids, text, final in zip(token_ids, pieces, finals, strict=True)]
 
 
 async def _send_final_error(sse: SSEStream, error: ApiError) -> None:

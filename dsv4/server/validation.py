@@ -14,6 +14,7 @@ from dsv4.protocol import SamplingParams
 from dsv4.server.errors import ApiError, ClientGone, bad_request
 
 MAX_STOP_SEQUENCES = 16
+MAX_CHOICES = 64  # each choice is a running request
 
 # Ranges of every numeric field, enforced where the body is decoded so that nothing out of range
 # reaches the engine, a frame encoder or a kernel. Seeds take torch's int64 range, as vLLM does;
@@ -353,6 +354,6 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int, param: str) -> t
     return tuple(pairs)
 
 
-def check_single_choice(n: int) -> None:
-    if n != 1:
-        raise bad_request(f"only n=1 is supported, got n={n}", param="n", code="unsupported_parameter")
+def check_choices(n: int) -> None:
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be within [1, {MAX_CHOICES}], got {n}", param="n")

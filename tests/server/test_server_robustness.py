@@ -184,3 +184,21 @@ async def test_a_dead_tick_loop_fails_liveness_and_exits_nonzero(tiny_ckpt, tmp_
     for status, raw in results:
         assert b"injected crash at tick 6" in raw, raw[-300:]
         assert status == 503 or raw.endswith(b"data: [DONE]\n\n")
+
+
+async def test_n_choices_greedy_are_identical_and_seeded_reproduce(server):
+    base = server.base
+    async with aiohttp.ClientSession() as session:
+        status, raw = await post(session, base + "/v1/completions", {
+            "prompt": "The cat", "n": 4, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert status == 200, raw
+        texts = [c["text"] for c in json.loads(raw)["choices"]]
+        assert len(texts) == 4 and len(set(texts)) == 1
+        seeded = {"prompt": "The cat", "n": 3, "max_tokens": 8, "temperature": 0.8, "seed": 5, "ignore_eos": True}
+        runs = []
+        for _ in range(2):
+            status, raw = await post(session, base + "/v1/completions", seeded)
+            assert status == 200, raw
+            runs.append([c["text"] for c in json.loads(raw)["choices"]])
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) > 1  # each choice draws its own noise

@@ -7,7 +7,7 @@ resets a slot, so a slot needs no release.
 
 Pools and weights live on `--device`; logits come back on the CPU. With `--verify-indexer`, every
 `--verify-indexer-every` ticks the forward's indexer selections are checked against the reference
-(`dsv4.model.indexer_check`); the result is `indexer_check`, beside the logits.
+(`dsv4.engine.indexer_check`); the result is `indexer_check`, beside the logits.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.memory.pools import StatePools
-from dsv4.model.indexer_check import IndexerVerifier
 from dsv4.model.model import PagedModel
 from dsv4.model.plan import build_plan
 from dsv4.model.sharding import Reducer, ShardPlan
 from dsv4.protocol import ForwardBatch
+
+from .indexer_check import IndexerVerifier
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 

@@ -39,12 +39,12 @@ import torch
 
 from dsv4.config import FaultInjection, RankDelay
 from dsv4.dist.collectives import TpGroup
+from dsv4.engine.indexer_check import IndexerVerifier
 from dsv4.engine.metrics import EngineMetrics
 from dsv4.engine.output import TextStream
 from dsv4.engine.request import AdmissionError, Request
 from dsv4.engine.sampling import History, sample, stop_reason
 from dsv4.engine.scheduler import Scheduler
-from dsv4.model.indexer_check import IndexerVerifier
 from dsv4.protocol import RequestOutput, SamplingParams, TickPlan
 
 T = TypeVar("T")

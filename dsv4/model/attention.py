@@ -22,24 +22,22 @@ from dsv4.config import CSA, WINDOW, ModelConfig
 from dsv4.kernels import dispatch
 from dsv4.kernels import rows as row_formats
 from dsv4.memory.pools import StatePools, put_rows, take_rows
-from dsv4.reference.attention import picks_mask
-from dsv4.reference.ops import accumulation_dtype, linear, rms_norm
-from dsv4.reference.rope import apply_rope
 
 from .compressor import PagedCompressor
-from .indexer_check import IndexerSelection, SelectionSink
+from .ops import Rope, accumulation_dtype, linear, rms_norm
 from .plan import AttentionGroup, BatchPlan
+from .selection import IndexerSelection, SelectionSink
 from .sharding import Reducer, ShardPlan
 
 _PLAIN_ROW_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
 class PagedAttention:
-    def __init__(self, cfg: ModelConfig, layer: int, w, inv_freq: torch.Tensor, pools: StatePools, *, kernels: bool,
-                 shard: ShardPlan, reduce: Reducer | None):
+    def __init__(self, cfg: ModelConfig, layer: int, w, pools: StatePools, *, kernels: bool, shard: ShardPlan,
+                 reduce: Reducer | None):
         """`w(name)` fetches this layer's tensor `attn.<name>` (this rank's part, `shard`), already in the
         dtype its math runs in. `reduce` sums partial results across tensor-parallel ranks (None: TP=1)."""
-        self.cfg, self.layer, self.inv_freq, self.pools, self.kernels = cfg, layer, inv_freq, pools, kernels
+        self.cfg, self.layer, self.pools, self.kernels = cfg, layer, pools, kernels
         self.heads, self.o_groups, self.index_heads, self.reduce = shard.heads, shard.o_groups, shard.index_heads, reduce
         self.wq_a, self.q_norm, self.wq_b = w("wq_a.weight"), w("q_norm.weight"), w("wq_b.weight")
         self.wkv, self.kv_norm = w("wkv.weight"), w("kv_norm.weight")
@@ -49,34 +47,36 @@ class PagedAttention:
         self.ratio = cfg.compress_ratios[layer]
         self.compressor = self.index_compressor = None
         if kind != WINDOW:
-            self.compressor = _compressor(cfg, w, "compressor.", self.ratio, kind == CSA, inv_freq)
+            self.compressor = _compressor(cfg, w, "compressor.", self.ratio, kind == CSA)
         if kind == CSA:
-            self.index_compressor = _compressor(cfg, w, "indexer.compressor.", self.ratio, True, inv_freq)
+            self.index_compressor = _compressor(cfg, w, "indexer.compressor.", self.ratio, True)
             self.index_wq_b = w("indexer.wq_b.weight")
             self.index_weights_proj = w("indexer.weights_proj.weight")
 
-    def __call__(self, x: torch.Tensor, plan: BatchPlan, on_selection: SelectionSink | None = None) -> torch.Tensor:
-        """x [T, hidden] (attn_norm'ed) -> [T, hidden]; stores this layer's rows of the batch. A CSA
-        layer hands its indexer's inputs and selection to `on_selection` (--verify-indexer)."""
+    def __call__(self, x: torch.Tensor, plan: BatchPlan, rope: Rope,
+                 on_selection: SelectionSink | None = None) -> torch.Tensor:
+        """x [T, hidden] (attn_norm'ed) -> [T, hidden]; stores this layer's rows of the batch. `rope`
+        rotates at the batch's positions. A CSA layer hands its indexer's inputs and selection to
+        `on_selection` (--verify-indexer)."""
         cfg, pools, positions = self.cfg, self.pools, plan.positions
         qr = rms_norm(linear(x, self.wq_a), self.q_norm, cfg.rms_norm_eps)
         q = linear(qr, self.wq_b).unflatten(-1, (self.heads, cfg.head_dim)).transpose(0, 1)
-        q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), positions, self.inv_freq)  # [H, T, D]
+        q = rope(rms_norm(q, None, cfg.rms_norm_eps))  # [H, T, D]
 
         kv = rms_norm(linear(x, self.wkv), self.kv_norm, cfg.rms_norm_eps)
-        raw_rows = row_formats.pack_main_rows(apply_rope(kv, positions, self.inv_freq), pools.main_format,
-                                              cfg.rope_head_dim)
+        raw_rows = row_formats.pack_main_rows(rope(kv), pools.main_format, cfg.rope_head_dim)
 
         index_queries = None
         if self.compressor is not None:  # rows of windows this batch completes, before any query reads them
             compress = plan.compress[self.ratio]
-            self.compressor.advance(x, positions, compress, pools.compressor_state(self.layer),
+            window_rope = Rope(compress.window_positions, rope.inv_freq, x.dtype)  # the new rows' positions
+            self.compressor.advance(x, positions, compress, window_rope, pools.compressor_state(self.layer),
                                     pools.compressed_rows(self.layer), pools.main_format, kernels=self.kernels)
             if self.index_compressor is not None:
-                self.index_compressor.advance(x, positions, compress, pools.indexer_state(self.layer),
+                self.index_compressor.advance(x, positions, compress, window_rope, pools.indexer_state(self.layer),
                                               pools.index_keys(self.layer), pools.index_format, kernels=self.kernels)
                 pools.record_index_keys(self.layer, compress.window_pages, compress.window_page_rows)
-                index_queries = self._index_queries(x, qr, positions)
+                index_queries = self._index_queries(x, qr, rope)
 
         if self.kernels:
             out = self._attend_with_kernels(q, raw_rows, index_queries, plan, on_selection)
@@ -92,7 +92,7 @@ class PagedAttention:
         ring = plan.ring_write
         put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
 
-        out = apply_rope(out, positions, self.inv_freq, inverse=True).transpose(0, 1)  # [T, H, D]
+        out = rope(out, inverse=True).transpose(0, 1)  # [T, H, D]
         grouped = out.flatten(1).unflatten(-1, (self.o_groups, -1))  # [T, G, heads/G * D]
         low_rank = torch.einsum("tgi,gri->tgr", grouped.to(self.wo_a.dtype), self.wo_a).flatten(1)
         out = linear(low_rank, self.wo_b)
@@ -138,17 +138,17 @@ class PagedAttention:
             seen = group.compressed[self.ratio]
             stored = self.pools.compressed_rows(self.layer)
             compressed = self._gather_main_rows(stored, (seen.pages, seen.page_rows), seen.exists).to(acc)
-            allowed = seen.visible if picks is None else picks_mask(picks, seen.pages.shape[1])
+            allowed = seen.visible if picks is None else _picks_mask(picks, seen.pages.shape[1])
             compressed_allowed = torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
         out = banded_sink_attention(queries, raw, group.band_allowed, compressed, compressed_allowed, self.sink,
                                     self.cfg.head_dim**-0.5)  # [B, N, H, Q, D]
         out = out.transpose(2, 3).flatten(1, 2)[:, :length].flatten(0, 1)  # [B*L, H, D]
         return out.to(q.dtype).transpose(0, 1)
 
-    def _index_queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor):
+    def _index_queries(self, x: torch.Tensor, qr: torch.Tensor, rope: Rope):
         cfg = self.cfg
         q = linear(qr, self.index_wq_b).unflatten(-1, (self.index_heads, cfg.index_head_dim))
-        q = apply_rope(q.transpose(0, 1), positions, self.inv_freq).transpose(0, 1)  # [T, heads, dim]
+        q = rope(q.transpose(0, 1)).transpose(0, 1)  # [T, heads, dim]
         scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
         weights = linear(x, self.index_weights_proj).to(accumulation_dtype(x.dtype)) * scale
         return q, weights
@@ -196,6 +196,13 @@ def _top_rows(scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk: i
     return torch.where(picks < visible.sum(dim=-1, keepdim=True), picks, torch.full_like(picks, -1))
 
 
+def _picks_mask(picks: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Indexer picks [B, L, k] (-1 = none) -> [B, L, num_rows] bool of the rows each query attends to."""
+    slots = torch.where(picks < 0, num_rows, picks)  # "none" lands in a spare column, then dropped
+    return torch.zeros(*picks.shape[:-1], num_rows + 1, dtype=torch.bool, device=picks.device).scatter_(
+        -1, slots, True)[..., :num_rows]
+
+
 def _token_picks(group_picks: list[torch.Tensor], topk: int) -> torch.Tensor:
     """Each group's picks [B, L, k] -> the batch's [T, topk] (the groups' tokens are consecutive)."""
     return torch.cat([torch.nn.functional.pad(picks.flatten(0, 1), (0, topk - picks.shape[-1]), value=-1)
@@ -222,7 +229,6 @@ def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch
     return out
 
 
-def _compressor(cfg: ModelConfig, w, prefix: str, ratio: int, overlap: bool, inv_freq) -> PagedCompressor:
+def _compressor(cfg: ModelConfig, w, prefix: str, ratio: int, overlap: bool) -> PagedCompressor:
     return PagedCompressor(w(prefix + "wkv.weight"), w(prefix + "wgate.weight"), w(prefix + "ape"),
-                           w(prefix + "norm.weight"), ratio=ratio, overlap=overlap, inv_freq=inv_freq,
-                           norm_eps=cfg.rms_norm_eps)
+                           w(prefix + "norm.weight"), ratio=ratio, overlap=overlap, norm_eps=cfg.rms_norm_eps)

@@ -2,7 +2,7 @@
 
 Each token contributes a `kv | score` row (score includes `ape`) to its slot's partial state; a
 window that completes pools into one compressed row (softmax over its slots, per channel), which is
-normed, rotated to position w * ratio and returned for the caller to store. A chunk may start and
+normed, rotated to position w * ratio and stored. A chunk may start and
 end mid-window: the plan (`CompressPlan`) says which state and token rows each completed window
 pools and which partial-state rows change, so the CSA overlap half carries across chunks.
 
@@ -19,20 +19,19 @@ import torch
 from dsv4.kernels import dispatch
 from dsv4.kernels.rows import pack_index_rows, pack_main_rows
 from dsv4.memory.pools import put_rows
-from dsv4.reference.ops import accumulation_dtype, linear, rms_norm
-from dsv4.reference.rope import apply_rope
 
+from .ops import Rope, accumulation_dtype, linear, rms_norm
 from .plan import CompressPlan
 
 
 class PagedCompressor:
     def __init__(self, wkv: torch.Tensor, wgate: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor, *,
-                 ratio: int, overlap: bool, inv_freq: torch.Tensor, norm_eps: float):
+                 ratio: int, overlap: bool, norm_eps: float):
         self.dim = norm.numel()
         self.width = wkv.shape[0]  # coff * dim: with overlap, Ca (first dim channels) then Cb
         self.w_kv_gate = torch.cat([wkv, wgate])  # one projection for both halves of a state row
         self.ape, self.norm = ape, norm
-        self.ratio, self.overlap, self.inv_freq, self.norm_eps = ratio, overlap, inv_freq, norm_eps
+        self.ratio, self.overlap, self.norm_eps = ratio, overlap, norm_eps
 
     def token_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> state rows [T, 2 * width] (kv | gate + ape) in at least fp32."""
@@ -41,27 +40,25 @@ class PagedCompressor:
         score = gate.to(self.ape.dtype) + self.ape[positions % self.ratio]
         return torch.cat([kv.to(acc), score.to(acc)], dim=-1)
 
-    def advance(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, state: torch.Tensor,
+    def advance(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, rope: Rope, state: torch.Tensor,
                 cache: torch.Tensor, row_format: str, *, kernels: bool) -> None:
         """Feed this batch's tokens into `state` [slots, rows, 2 * width] (updated in place) and store
         the rows of the windows they complete in `cache` (a pool view of `row_format` rows) at
-        (plan.window_pages, plan.window_page_rows); with `kernels`, through the dispatcher's op."""
+        (plan.window_pages, plan.window_page_rows); `rope` rotates at plan.window_positions. With
+        `kernels`, through the dispatcher's op."""
         windows = self._feed(x, positions, plan, state)
         if kernels:
-            acc = accumulation_dtype(x.dtype)
-            angles = plan.window_positions.to(acc).unsqueeze(-1) * self.inv_freq.to(acc)  # as apply_rope's
             units = torch.arange(windows.shape[0], device=x.device)
             dispatch.compress_insert(windows, units, torch.zeros_like(units), plan.window_positions // self.ratio,
-                                     angles.cos(), angles.sin(), self.norm, cache, plan.window_pages,
+                                     rope.cos, rope.sin, self.norm, cache, plan.window_pages,
                                      plan.window_page_rows, ratio=self.ratio, row_format=row_format,
                                      eps=self.norm_eps, model_dtype=x.dtype)
             return
         pooled = self._pool(windows).to(x.dtype)
         normed = rms_norm(pooled, self.norm, self.norm_eps)
-        rows = apply_rope(normed, plan.window_positions, self.inv_freq).to(x.dtype)
+        rows = rope(normed)
         # "fp8" is the one index-key-only format; bf16 / fp32 rows are the same bytes either way.
-        packed = pack_index_rows(rows, "fp8") if row_format == "fp8" else \
-            pack_main_rows(rows, row_format, 2 * self.inv_freq.numel())
+        packed = pack_index_rows(rows, "fp8") if row_format == "fp8" else pack_main_rows(rows, row_format, rope.dim)
         put_rows(cache, (plan.window_pages, plan.window_page_rows), packed)
 
     def _feed(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.config import ModelConfig
+from dsv4.config import WINDOW, ModelConfig
 from dsv4.memory.pools import StatePools
-from dsv4.reference.mhc import HyperConnection, hc_head, layer_hyper_connections
-from dsv4.reference.ops import accumulation_dtype, linear, rms_norm
-from dsv4.reference.rope import layer_inv_freq
 
 from .attention import PagedAttention
-from .indexer_check import SelectionSink
+from .mhc import HyperConnection, hc_head
 from .moe import GroupedMoE
+from .ops import Rope, accumulation_dtype, layer_inv_freq, linear, rms_norm
 from .plan import BatchPlan
+from .selection import SelectionSink
 from .sharding import Reducer, ShardPlan
 
 # Tensors kept in at least fp32 whatever the compute dtype, as the reference keeps them: they feed
@@ -34,13 +33,15 @@ class PagedModel:
         """`kernels`: attention, indexer and compressor inserts through `dsv4.kernels.dispatch` (Triton
         on CUDA); default: when the pools are on CUDA. `weights` hold this rank's part (`shard`, default
         all of it); `reduce` sums partial results across tensor-parallel ranks (None: TP=1)."""
-        self.cfg = cfg
+        self.cfg, self.dtype = cfg, dtype
         shard = shard or ShardPlan(cfg)
         self.kernels = pools.device.type == "cuda" if kernels is None else kernels
         w = _WeightReader(weights, dtype, accumulation_dtype(dtype), pools.device)
         self.embed, self.head, self.norm = w("embed.weight"), w("head.weight"), w("norm.weight")
         self.hc_head_weights = (w("hc_head_fn"), w("hc_head_base"), w("hc_head_scale"))
         self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce) for i in range(cfg.num_layers)]
+        # RoPE frequencies by "is a window layer": every layer of a kind rotates by the same tables.
+        self.inv_freq = {block.window: layer_inv_freq(cfg, i).to(pools.device) for i, block in enumerate(self.blocks)}
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan, on_selection: SelectionSink | None = None) -> torch.Tensor:
@@ -48,12 +49,13 @@ class PagedModel:
         logits [sampling chunks, vocab]. CSA layers hand their indexer selections to `on_selection`."""
         cfg = self.cfg
         x = self.embed[plan.token_ids]
-        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).unsqueeze(0)  # [1, T, hc, hidden]
+        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1)  # [T, hc, hidden]
+        ropes = {window: Rope(plan.positions, inv_freq, self.dtype) for window, inv_freq in self.inv_freq.items()}
         for block in self.blocks:
-            streams = block(streams, plan, on_selection)
-        last = streams[:, plan.sample_tokens]
+            streams = block(streams, plan, ropes[block.window], on_selection)
+        last = streams[plan.sample_tokens]
         x = hc_head(last, *self.hc_head_weights, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-        return linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.head)[0].float()
+        return linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.head).float()
 
 
 class _Block:
@@ -61,22 +63,26 @@ class _Block:
 
     def __init__(self, cfg: ModelConfig, layer: int, w, pools: StatePools, kernels: bool, shard: ShardPlan,
                  reduce: Reducer | None):
-        self.eps = cfg.rms_norm_eps
-        self.attn_hc, self.ffn_hc = layer_hyper_connections(cfg, w, layer)
+        self.eps, self.window = cfg.rms_norm_eps, cfg.layer_kind(layer) == WINDOW
+        self.attn_hc, self.ffn_hc = (
+            HyperConnection(*(w(f"layers.{layer}.hc_{kind}_{part}") for part in ("fn", "base", "scale")),
+                            hc_mult=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
+                            norm_eps=cfg.rms_norm_eps)
+            for kind in ("attn", "ffn"))
         self.attn_norm, self.ffn_norm = w(f"layers.{layer}.attn_norm.weight"), w(f"layers.{layer}.ffn_norm.weight")
-        self.attn = PagedAttention(cfg, layer, w.under(f"layers.{layer}.attn."),
-                                   layer_inv_freq(cfg, layer).to(pools.device), pools, kernels=kernels,
+        self.attn = PagedAttention(cfg, layer, w.under(f"layers.{layer}.attn."), pools, kernels=kernels,
                                    shard=shard, reduce=reduce)
         self.ffn = GroupedMoE(cfg, layer, w.under(f"layers.{layer}.ffn."), shard=shard, reduce=reduce)
 
-    def __call__(self, streams: torch.Tensor, plan: BatchPlan, on_selection: SelectionSink | None) -> torch.Tensor:
-        """streams [1, T, hc, hidden]: the batch's tokens as one sequence of independent rows."""
+    def __call__(self, streams: torch.Tensor, plan: BatchPlan, rope: Rope,
+                 on_selection: SelectionSink | None) -> torch.Tensor:
+        """streams [T, hc, hidden] of the batch's tokens; `rope` at the batch's positions."""
         x, post, comb = self.attn_hc.collapse(streams)
-        y = self.attn(rms_norm(x[0], self.attn_norm, self.eps), plan, on_selection)
-        streams = HyperConnection.expand(streams, y.unsqueeze(0), post, comb)
+        y = self.attn(rms_norm(x, self.attn_norm, self.eps), plan, rope, on_selection)
+        streams = HyperConnection.expand(streams, y, post, comb)
         x, post, comb = self.ffn_hc.collapse(streams)
-        y = self.ffn(rms_norm(x[0], self.ffn_norm, self.eps), plan.token_ids)
-        return HyperConnection.expand(streams, y.unsqueeze(0), post, comb)
+        y = self.ffn(rms_norm(x, self.ffn_norm, self.eps), plan.token_ids)
+        return HyperConnection.expand(streams, y, post, comb)
 
 
 class _WeightReader:

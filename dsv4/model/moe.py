@@ -1,6 +1,9 @@
 """The MoE feed-forward, batched by expert: every (token, pick) pair is sorted by expert, each expert
 runs once over its tokens with its gate and up projections fused, and the results are summed back.
-Routing is the reference's (`dsv4.reference.moe.route`).
+
+Routing: scores s = score_fn(x @ W_gate^T) in at least fp32; learned layers pick the top-k of s + bias
+(the bias only steers selection), hash layers pick tid2eid[token id]; the picks are weighted by their
+s, normalised to sum 1 (norm_topk_prob), times routed_scaling_factor.
 
 Under tensor parallelism (`dsv4.model.sharding`) every rank routes every token the same way but runs
 only its own experts and its share of the shared expert; the partial sums meet in one all_reduce."""
@@ -11,10 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.config import ModelConfig
-from dsv4.reference.moe import route
-from dsv4.reference.ops import linear
 
+from .ops import accumulation_dtype, linear
 from .sharding import Reducer, ShardPlan
+
+_SCORE_FUNCTIONS = {
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt_(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda logits: torch.softmax(logits, dim=-1),
+}
 
 
 class GroupedMoE:
@@ -37,9 +45,7 @@ class GroupedMoE:
     def __call__(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (ffn_norm'ed), token_ids [T] -> [T, hidden]."""
         cfg = self.cfg
-        experts, weights = route(x, self.gate, bias=self.bias, tid2eid=self.tid2eid, token_ids=token_ids,
-                                 top_k=cfg.num_experts_per_tok, score_func=cfg.scoring_func,
-                                 normalise=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
+        experts, weights = self._route(x, token_ids)
         # Stable sort by expert: each token's picks are then summed in ascending expert order. Only
         # this rank's experts' picks are kept.
         first, count = self.experts.start, len(self.experts)
@@ -58,6 +64,19 @@ class GroupedMoE:
         if self.reduce is not None:
             out = self.reduce.all_reduce_sum(out, "ffn.out")
         return out.to(x.dtype)
+
+    def _route(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden], token_ids [T] -> (expert ids [T, k], their weights [T, k] in at least fp32)."""
+        cfg = self.cfg
+        scores = _SCORE_FUNCTIONS[cfg.scoring_func](F.linear(x.to(accumulation_dtype(x.dtype)), self.gate))
+        if self.tid2eid is not None:
+            experts = self.tid2eid[token_ids]
+        else:
+            experts = (scores + self.bias).topk(cfg.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.mul_(cfg.routed_scaling_factor)
 
     def _expert(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         limit = self.cfg.swiglu_limit

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv4.engine.indexer_check import IndexerVerifier
 from dsv4.kernels.rows import pack_index_rows, unpack_index_rows
 from dsv4.memory.pools import StatePools
-from dsv4.model.indexer_check import IndexerSelection, IndexerVerifier
 from dsv4.model.plan import build_plan
+from dsv4.model.selection import IndexerSelection
 from dsv4.protocol import ForwardBatch, ForwardChunk
 from dsv4.reference.indexer import indexer_scores
 from dsv4.tiny import tiny_config

@@ -16,17 +16,16 @@ selection that can see a row whose fingerprint changed fails too (`StatePools.ch
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dsv4.kernels.rows import unpack_index_rows
 from dsv4.memory.pools import INDEX_RATIO, StatePools
+from dsv4.model.plan import BatchPlan
+from dsv4.model.selection import IndexerSelection
 from dsv4.reference.indexer import indexer_scores, visible_rows
 from dsv4.reference.ops import accumulation_dtype
-
-from .plan import BatchPlan
 
 # Tie tolerance, relative to scale_t = sum_h |w_th| * |q_th| * max_s |k_s|. Both paths score the same
 # stored keys, so the index-key dtype's rounding (fp8 or bf16) is common to both and cancels; they
@@ -37,19 +36,6 @@ from .plan import BatchPlan
 # 1e-4 is four times both paths' bounds together; rows closer than that are ties either way.
 EPS_REL = 1e-4
 SHOWN_ROWS = 8  # changed rows named in a mismatch's detail
-
-
-@dataclass(frozen=True)
-class IndexerSelection:
-    """What a CSA layer's indexer saw and picked for the batch's T tokens."""
-
-    layer: int
-    q: torch.Tensor  # [T, index heads, index dim] index queries, after RoPE
-    weights: torch.Tensor  # [T, index heads] head weights, scaled
-    picks: torch.Tensor  # [T, topk] compressed row indices, best first, -1 padded
-
-
-SelectionSink = Callable[[IndexerSelection], None]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,71 @@
+"""Manifold-constrained hyper-connections (mHC) over a flat batch of tokens, in a few batched ops.
+
+Each token carries `hc_mult` residual streams. A sublayer reads their `pre`-weighted sum and writes
+its output back into every stream (`post`) on top of a Sinkhorn-normalised mix of the old streams
+(`comb`). All mixing weights come from one projection of the RMS-normalised streams; everything
+runs in at least fp32 and the streams keep their dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import accumulation_dtype, rms_norm
+
+
+class HyperConnection:
+    """The mixing weights of one sublayer: `fn` [(2+n)*n, n*hidden], `base` [(2+n)*n], `scale` [3]
+    (pre, post and comb scales), already in the accumulation dtype."""
+
+    def __init__(self, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, hc_mult: int,
+                 sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        n = self.n = hc_mult
+        self.fn, self.base = fn, base
+        # One scale per mix, so the three scale-and-shift steps are one addcmul.
+        self.scale = scale.repeat_interleave(torch.tensor([n, n, n * n], device=scale.device))
+        self.sinkhorn_iters, self.hc_eps, self.norm_eps = sinkhorn_iters, hc_eps, norm_eps
+
+    def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, hidden] -> (sublayer input [T, hidden], post [T, n], comb [T, n, n])."""
+        n = self.n
+        logits = torch.addcmul(self.base, stream_mixes(streams, self.fn, self.norm_eps), self.scale)
+        gates = torch.sigmoid(logits[:, : 2 * n])
+        pre, post = gates[:, :n] + self.hc_eps, gates[:, n:] * 2
+        comb = _sinkhorn(logits[:, 2 * n :].unflatten(-1, (n, n)), self.sinkhorn_iters, self.hc_eps)
+        return weighted_sum(streams, pre), post, comb
+
+    @staticmethod
+    def expand(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """New stream j = post_j * output + sum_i comb[i, j] * stream i (one batched matmul-add)."""
+        acc = post.dtype
+        written = post.unsqueeze(-1) * output.to(acc).unsqueeze(-2)  # [T, n, hidden]
+        return torch.baddbmm(written, comb.transpose(-1, -2), streams.to(acc)).to(streams.dtype)
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, hc_eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """The final collapse of the streams [T, n, hidden] into one hidden vector per token."""
+    pre = torch.sigmoid(torch.addcmul(base, stream_mixes(streams, fn, norm_eps), scale)) + hc_eps
+    return weighted_sum(streams, pre)
+
+
+def stream_mixes(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """fn @ rms_normalised(a token's streams, flattened) [T, mixes], in at least fp32. (Scaling the
+    projection by the per-token norm instead is cheaper, but its rounding moved the logits of the
+    bf16 index-key model test past that test's 1e-4.)"""
+    return rms_norm(streams.flatten(-2).to(accumulation_dtype(streams.dtype)), None, norm_eps) @ fn.T
+
+
+def weighted_sum(streams: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_i weights_i * stream i [T, hidden], accumulated in the weights' dtype; the streams' dtype."""
+    return torch.bmm(weights.unsqueeze(-2), streams.to(weights.dtype)).squeeze(-2).to(streams.dtype)
+
+
+def _sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Row softmax (+eps), then alternating column / row normalisation (`iters` column passes), in place."""
+    comb = torch.softmax(logits, dim=-1).add_(eps)
+    comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
+    for _ in range(iters - 1):
+        comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
+        comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
+    return comb

@@ -1,0 +1,86 @@
+"""The fast path's elementwise pieces: projections, a fused RMSNorm, RoPE from per-forward tables.
+
+These are the model's own implementations, tested against `dsv4.reference` through the model's
+outputs; they round as the reference does (norms and rotations in at least fp32, results in the
+input's dtype), so fp32 results differ from it by summation order only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dsv4.config import WINDOW, ModelConfig
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision of the sensitive math (norms, softmaxes, mHC, routing): at least float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in the weight's dtype (weights are stored [out, in], like the checkpoint)."""
+    return F.linear(x.to(weight.dtype), weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMS-normalise the last dim in at least fp32 (optionally times `weight`) in one fused op;
+    returns x's dtype."""
+    acc = accumulation_dtype(x.dtype)
+    return F.rms_norm(x.to(acc), x.shape[-1:], None if weight is None else weight.to(acc), eps).to(x.dtype)
+
+
+def layer_inv_freq(cfg: ModelConfig, layer: int) -> torch.Tensor:
+    """float64 [rope_head_dim / 2]: one inverse frequency per rotated pair. Window layers use plain
+    RoPE with rope_theta; compressed layers use compress_rope_theta with YaRN interpolation."""
+    dim = cfg.rope_head_dim
+    if cfg.layer_kind(layer) == WINDOW:
+        return _inv_freq(dim, cfg.rope_theta)
+    theta, yarn = cfg.compress_rope_theta, cfg.rope_scaling
+    base = _inv_freq(dim, theta)
+    if yarn is None:
+        return base
+
+    def pair_turning(rotations: float) -> float:  # the pair whose wavelength fits `rotations` times in context
+        context = yarn.original_max_position_embeddings
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    # Pairs below `low` turn often enough to keep their frequency; pairs above `high` are divided by
+    # the factor; a linear ramp in between. The ends are whole pair indices (floor / ceil).
+    low = max(math.floor(pair_turning(yarn.beta_fast)), 0)
+    high = min(math.ceil(pair_turning(yarn.beta_slow)), dim - 1)
+    high = high + 0.001 if high == low else high  # a finite slope
+    share = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return base * (1 - share) + base / yarn.factor * share
+
+
+def _inv_freq(dim: int, theta: float) -> torch.Tensor:
+    return theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+
+
+class Rope:
+    """RoPE at fixed positions: the cos / sin tables are computed once (per forward and frequency
+    set) and every rotation at those positions reads them. Rotates the last 2 * len(inv_freq) dims
+    in interleaved pairs (2i, 2i+1 share frequency i) of tensors whose token axis is -2."""
+
+    def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+        """`dtype`: the compute dtype; the tables are in its accumulation dtype."""
+        self.acc, self.inv_freq = accumulation_dtype(dtype), inv_freq
+        angles = positions.to(self.acc).unsqueeze(-1) * inv_freq.to(positions.device, self.acc)  # [T, R/2]
+        self.cos, self.sin = angles.cos(), angles.sin()
+        # Interleaved [T, R] tables: even' = even*cos - odd*sin and odd' = odd*cos + even*sin are
+        # x * cos2 + swap_pairs(x) * sin2 with sin2 = (-sin, +sin) per pair.
+        self.cos2 = self.cos.repeat_interleave(2, dim=-1)
+        self.sin2 = torch.stack([-self.sin, self.sin], dim=-1).flatten(-2)
+        self.dim = self.cos2.shape[-1]
+
+    def __call__(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x [..., T, D] -> x with its last `dim` dims rotated (backwards with `inverse`), x's dtype."""
+        tail = x[..., -self.dim :].to(self.acc)
+        swapped = tail.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        rotated = torch.addcmul(tail * self.cos2, swapped, self.sin2, value=-1 if inverse else 1)
+        out = x.clone()
+        out[..., -self.dim :] = rotated
+        return out

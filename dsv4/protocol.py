@@ -83,11 +83,30 @@ class ForwardBatch(msgspec.Struct, frozen=True, kw_only=True):
     snapshots: tuple[SlotCopy, ...] = ()
 
 
+class StateInstall(msgspec.Struct, frozen=True, array_like=True):
+    """PD decode: one transfer's received state, written into the pools of every rank before the
+    tick's forward. The bytes travel beside the plan, in one broadcast per tick (`install.bytes`):
+    each install's pages in order, then its slot. The checksums are CRC-32s of those bytes, which
+    every rank checks against what landed in its pools."""
+
+    rid: str
+    page_ids: tuple[int, ...]
+    page_generations: tuple[int, ...]
+    slot: int
+    slot_generation: int
+    page_checksums: tuple[int, ...]
+    slot_checksum: int
+
+
 class TickPlan(msgspec.Struct, frozen=True, kw_only=True):
     """Rank 0's immutable decision for one tick; every rank applies it exactly once, in order."""
 
     seq: int
     batch: ForwardBatch
+    # PD decode: states installed before this tick's forward; a request is adopted (`adopted`, in a
+    # later plan) only once the tick's consensus vector showed its install landed on every rank.
+    installs: tuple[StateInstall, ...] = ()
+    adopted: tuple[str, ...] = ()
     # Releases since the previous plan, so that the sequence of plans records every change of
     # ownership: `finished` requests ended by sampling in the previous tick; `aborted` ones
     # (aborts, deadlines, errors) were released at this tick's boundary, before its forward, and so

@@ -136,9 +136,6 @@ class ServerArgs:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ConfigError(f"--dist-init-addr {self.dist_init_addr!r}: expected HOST:PORT")
-        if self.tp_size > 1 and self.disaggregation_mode != "null":
-            # A transfer's state would land on rank 0's pools only; every rank needs it.
-            raise ConfigError("--tp-size > 1 with --disaggregation-mode is not supported yet")
         if self.tp_size > 1 and self.verify_indexer != "off":
             # The verifier re-scores with rank 0's indexer heads only: a partial score.
             raise ConfigError("--tp-size > 1 with --verify-indexer is not supported yet")

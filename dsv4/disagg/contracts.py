@@ -79,9 +79,10 @@ class DecodeTarget(Protocol):
     async def release(self, rid: str, pages: list[Handle], slot: Handle) -> None:
         """Gives back what `allocate` handed out for `rid` (a transfer that failed)."""
 
-    async def install(self, pages: list[Handle], slot: Handle, page_data: list[np.ndarray],
+    async def install(self, rid: str, pages: list[Handle], slot: Handle, page_data: list[np.ndarray],
                       slot_data: np.ndarray) -> tuple[list[int], int]:
-        """Copies the received state into the pools; returns the checksums of what landed there."""
+        """Copies `rid`'s received state into the pools (of every rank); returns the checksums of what
+        landed there. Raises RequestFailed when it did not land (the transfer fails, not the instance)."""
 
     def admit(self, req: GenerationRequest, pages: list[Handle], slot: Handle,
               first_token: int) -> AsyncIterator[RequestOutput]:

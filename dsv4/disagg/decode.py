@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 from ucxx.exceptions import UCXError
 
-from dsv4.disagg.contracts import DEFAULT_TIMEOUTS, DecodeTarget, PdTimeouts
+from dsv4.disagg.contracts import DEFAULT_TIMEOUTS, DecodeTarget, PdTimeouts, RequestFailed
 from dsv4.disagg.faults import TransferFaults
 from dsv4.disagg.metrics import DisaggMetrics
 from dsv4.disagg.peers import PrefillPeer
@@ -343,12 +343,15 @@ class RemotePrefill:
                 self.metrics.dropped_frames.labels("unexpected_kind").inc()
         pages = [t.staging[i] for i in range(len(t.pages))]
         # Shielded: a cancelled transfer must not release its pages while the copy into them still runs.
-        t.installing = asyncio.ensure_future(self.target.install(t.pages, t.slot, pages, t.staging[len(t.pages)]))
+        t.installing = asyncio.ensure_future(self.target.install(t.req.rid, t.pages, t.slot, pages,
+                                                                 t.staging[len(t.pages)]))
         try:
             page_sums, slot_sum = await asyncio.wait_for(asyncio.shield(t.installing),
                                                          max(self._deadline(t) - time.monotonic(), 0.0))
         except TimeoutError:
             raise TransferFailed("the copy into the pools did not finish within the commit deadline") from None
+        except RequestFailed as e:
+            raise TransferFailed(str(e), e.status) from None
         c = t.commit
         if self.verify:
             bad = [i for i, (got, want) in enumerate(zip(page_sums, c.page_checksums)) if got != want]

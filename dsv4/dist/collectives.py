@@ -8,7 +8,8 @@ raises `CollectiveError` naming the rank, the op and the tick: the group cannot 
 tick loop dies with that message (and every rank exits non-zero).
 
 Wire bytes are msgspec msgpack (a TickPlan), never pickle: `broadcast_plan` sends a fixed-size
-header (length, seq) and then the bytes.
+header (length, seq) and then the bytes. `broadcast_bytes` sends raw state (PD installs) whose
+length every rank knows from the plan.
 """
 
 from __future__ import annotations
@@ -118,6 +119,13 @@ class TpGroup:
         if received.seq != seq:
             raise CollectiveError(f"rank {self.rank}: plan of tick {received.seq} came under header of tick {seq}")
         return received
+
+    def broadcast_bytes(self, data: torch.Tensor, name: str) -> torch.Tensor:
+        """Rank 0's uint8 `data` to every rank; the others pass a tensor of the same length (known from
+        the plan) to receive into. Returns the bytes on the CPU."""
+        moved = data.to(self.device)
+        self._run("broadcast", name, lambda: dist.broadcast(moved, src=0))
+        return moved.cpu()
 
     def agree(self, mine: dict[int, int], slots: int) -> list[int]:
         """The tick's consensus vector: `slots` int64 values, each the MIN over ranks of what each rank

@@ -14,19 +14,23 @@ import asyncio
 import contextlib
 import logging
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable
+
+import numpy as np
 
 from dsv4.cache.metrics import PrefixCacheCollector
 from dsv4.cache.radix import RadixCache
 from dsv4.config import CSA, ModelConfig, ServerArgs
 from dsv4.dist.collectives import TpGroup
 from dsv4.dist.ranks import RankProcesses
+from dsv4.engine.install import InstallFailed, PendingInstall
 from dsv4.engine.metrics import EngineMetrics
 from dsv4.engine.request import AdmissionError, Request
 from dsv4.engine.scheduler import Scheduler
 from dsv4.engine.tick import Ticker
 from dsv4.memory.allocator import Handle, PageSlotAllocator
-from dsv4.protocol import GenerationRequest, RequestOutput
+from dsv4.protocol import GenerationRequest, RequestOutput, StateInstall
 from dsv4.tokenizer import IncrementalDetokenizer
 
 __all__ = ["AdmissionError", "Engine"]
@@ -231,8 +235,28 @@ class Engine:
             self._ticker.inbox.put_adopted(request, first_token)
         return self._outputs(request, queue)
 
-    async def run_between_forwards(self, fn):
-        return await self._ticker.run_between_forwards(fn)
+    async def install(self, rid: str, pages: list[Handle], slot: Handle, page_data: list[np.ndarray],
+                      slot_data: np.ndarray) -> tuple[list[int], int]:
+        """Writes a transfer's received state into `pages` and `slot` on every rank: the next plan carries
+        the install, applied before its forward (never during one). Returns the CRC-32s of what landed
+        once the tick's consensus vector shows it landed on every rank; raises InstallFailed otherwise."""
+        pools = self.runner.pools
+        if any(p.nbytes != pools.page_bytes for p in page_data) or slot_data.nbytes != pools.slot_bytes:
+            raise ValueError(f"{rid}: a page or the slot has the wrong size for this engine's pools")
+
+        def pack() -> tuple[np.ndarray, StateInstall]:  # off the event loop: large states take a while
+            return np.concatenate([*page_data, slot_data]), StateInstall(
+                rid, tuple(h.id for h in pages), tuple(h.generation for h in pages), slot.id, slot.generation,
+                tuple(zlib.crc32(p) for p in page_data), zlib.crc32(slot_data))
+
+        data, install = await asyncio.to_thread(pack)
+        if self._dead is not None:
+            raise InstallFailed(self._dead)
+        if not self._has_work():
+            self._progress_at = self._clock()
+        done: asyncio.Future[tuple[list[int], int]] = asyncio.get_running_loop().create_future()
+        self._ticker.inbox.put_install(PendingInstall(install, data, done))
+        return await done
 
     def check_request(self, req: GenerationRequest) -> None:
         """Raises AdmissionError if `req` can never be served (also used before a PD transfer)."""

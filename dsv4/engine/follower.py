@@ -1,13 +1,16 @@
 """A follower rank (rank > 0): applies rank 0's plans, in order, and runs the same forward.
 
 Its tick mirrors rank 0's (dsv4/engine/tick.py) collective for collective: receive the plan
-(broadcast), forward (the model's all_reduces), consensus vector. It decides nothing: the plan
-carries every change of state, and the batch alone names the pages and slots the forward uses
-(their generations are checked by the runner, as on rank 0). Sampling is rank 0's; the sampled
-tokens reach this rank in the next plan's chunks.
+(broadcast), the bytes of the plan's PD installs (broadcast, when it has any), forward (the model's
+all_reduces), consensus vector. It decides nothing: the plan carries every change of state, and the
+batch alone names the pages and slots the forward uses (their generations are checked by the
+runner, as on rank 0). Sampling is rank 0's; the sampled tokens reach this rank in the next plan's
+chunks.
 
-Any failure (a collective past its deadline, rank 0 gone, a local error) is fatal: the rank logs it
-and exits non-zero, and its peers' next collective names it.
+Whether each install landed here is a rank-local fact: it goes into the consensus vector, and an
+install that did not land fails that transfer on rank 0, not this rank. Any other failure (a
+collective past its deadline, rank 0 gone, a local error) is fatal: the rank logs it and exits
+non-zero, and its peers' next collective names it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import uvloop
 
 from dsv4.config import ServerArgs
 from dsv4.dist.collectives import TpGroup
+from dsv4.engine.install import receive_installs
 from dsv4.engine.runner import ModelRunner
 from dsv4.engine.tick import consensus, rank_faults
 
@@ -41,11 +45,12 @@ class Follower:
         if plan.seq != self._seq + 1:
             raise RuntimeError(f"rank {group.rank}: received the plan of tick {plan.seq} after tick {self._seq}")
         self._seq = plan.seq
+        landed = receive_installs(self.runner.pools, plan.installs, group, None)
         self._delays.sleep("forward", plan.seq)
         with torch.inference_mode():
             self.runner.forward(plan.batch)
         self._delays.sleep("consensus", plan.seq)
-        consensus(group, plan.seq)
+        consensus(group, plan.seq, landed)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -15,7 +15,6 @@ import zlib
 from dataclasses import asdict
 
 import msgspec
-import torch
 
 from dsv4.config import ServerArgs
 from dsv4.disagg.contracts import ExportedState, RequestFailed
@@ -23,6 +22,7 @@ from dsv4.disagg.decode import RemotePrefill
 from dsv4.disagg.faults import TransferFaults
 from dsv4.disagg.prefill import PrefillServer
 from dsv4.engine.engine import Engine
+from dsv4.engine.install import InstallFailed
 from dsv4.engine.request import AdmissionError, Request
 from dsv4.protocol import PD_PROTOCOL_VERSION, Capabilities, GenerationRequest, PrefillLimits, StateRegion
 
@@ -114,16 +114,11 @@ class EngineDecodeTarget:
             self.engine.allocator.pages.free(handle)
         self.engine.allocator.slots.free(slot)
 
-    async def install(self, pages, slot, page_data, slot_data):
-        pools = self.engine.runner.pools
-
-        def copy():
-            for handle, data in zip(pages, page_data, strict=True):
-                pools.write_page(handle.id, handle.generation, torch.from_numpy(data))
-            pools.write_slot(slot.id, slot.generation, torch.from_numpy(slot_data))
-            return [pools.page_checksum(h.id) for h in pages], pools.slot_checksum(slot.id)
-
-        return await self.engine.run_between_forwards(copy)
+    async def install(self, rid, pages, slot, page_data, slot_data):
+        try:  # on every rank, through the plan (dsv4/engine/install.py)
+            return await self.engine.install(rid, pages, slot, page_data, slot_data)
+        except InstallFailed as e:
+            raise RequestFailed(str(e)) from None
 
     def admit(self, req, pages, slot, first_token):
         self._holding.pop(req.rid, None)  # the scheduler counts it from its adoption on

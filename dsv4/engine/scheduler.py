@@ -88,6 +88,7 @@ class Scheduler:
         self._finished_since_plan: list[str] = []
         self._aborted_since_plan: list[str] = []
         self._retracted_since_plan: list[str] = []
+        self._adopted_since_plan: list[str] = []
         self.cache = prefix_cache
         # Boundary snapshots the last plan's forward took, (request, snapshot unit): they join the
         # cache at the next scheduler step, once that forward is known to be done.
@@ -162,6 +163,7 @@ class Scheduler:
         self._number(req)
         self.running.append(req)
         self._by_rid[req.rid] = req
+        self._adopted_since_plan.append(req.rid)
 
     def abort(self, rid: str, error: str, finish_reason: str = "abort") -> Request | None:
         """Releases everything `rid` holds at once; None if it is not queued or running."""
@@ -220,10 +222,12 @@ class Scheduler:
             finished=tuple(self._finished_since_plan),
             aborted=tuple(self._aborted_since_plan),
             retracted=tuple(self._retracted_since_plan),
+            adopted=tuple(self._adopted_since_plan),
         )
         self._finished_since_plan.clear()
         self._aborted_since_plan.clear()
         self._retracted_since_plan.clear()
+        self._adopted_since_plan.clear()
         return plan
 
     def _make_room_for_decodes(self) -> None:

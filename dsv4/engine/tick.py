@@ -2,7 +2,7 @@
 
     inbox (new requests, aborts) + deadline expiries
       -> Scheduler.schedule(): the immutable, sequence-numbered TickPlan
-      -> in the forward thread: [TP: broadcast the plan] -> runner.forward(plan.batch)
+      -> in the forward thread: [TP: broadcast the plan] -> PD installs -> runner.forward(plan.batch)
          -> [TP: the consensus vector] -> sampling
       -> tokens, text and finishes delivered to each request's queue
 
@@ -33,13 +33,15 @@ import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
+import msgspec
+import numpy as np
 import torch
 
 from dsv4.config import FaultInjection, RankDelay
 from dsv4.dist.collectives import TpGroup
 from dsv4.engine.indexer_check import IndexerVerifier
+from dsv4.engine.install import MAX_INSTALLS_PER_TICK, InstallFailed, PendingInstall, receive_installs
 from dsv4.engine.metrics import EngineMetrics
 from dsv4.engine.output import TextStream
 from dsv4.engine.request import AdmissionError, Request
@@ -47,15 +49,16 @@ from dsv4.engine.sampling import History, sample, stop_reason
 from dsv4.engine.scheduler import Scheduler
 from dsv4.protocol import RequestOutput, SamplingParams, TickPlan
 
-T = TypeVar("T")
-
 log = logging.getLogger(__name__)
 
 
-def consensus(group: TpGroup, seq: int) -> list[int]:
-    """The tick's consensus vector, issued by every rank at the same point of every tick: slot r holds
-    the tick rank r completed."""
-    return group.agree({group.rank: seq}, group.size)
+def consensus(group: TpGroup, seq: int, landed: list[bool]) -> tuple[list[int], list[bool]]:
+    """The tick's consensus vector, issued by every rank at the same point of every tick (MIN over
+    ranks): slot r holds the tick rank r completed, slot size+i whether the plan's install i landed on
+    this rank. Returns each rank's completed tick, and whether each install landed on every rank."""
+    mine = {group.rank: seq} | {group.size + i: int(ok) for i, ok in enumerate(landed)}
+    vector = group.agree(mine, group.size + MAX_INSTALLS_PER_TICK)
+    return vector[:group.size], [v == 1 for v in vector[group.size:group.size + len(landed)]]
 
 
 class RankDelays:
@@ -92,6 +95,7 @@ class Inbox:
         self.requests: list[Request] = []
         self.aborts: dict[str, str] = {}  # rid -> reason; the first reason wins
         self.adopted: list[tuple[Request, int]] = []  # PD decode: (request, its first token)
+        self.installs: list[PendingInstall] = []  # PD decode: received states for the pools of every rank
         self._wakeup = asyncio.Event()
 
     def put_request(self, req: Request) -> None:
@@ -106,8 +110,12 @@ class Inbox:
         self.adopted.append((req, first_token))
         self._wakeup.set()
 
+    def put_install(self, pending: PendingInstall) -> None:
+        self.installs.append(pending)
+        self._wakeup.set()
+
     def __bool__(self) -> bool:
-        return bool(self.requests or self.aborts or self.adopted)
+        return bool(self.requests or self.aborts or self.adopted or self.installs)
 
     def take(self) -> tuple[list[Request], dict[str, str]]:
         taken = self.requests, self.aborts
@@ -117,6 +125,10 @@ class Inbox:
 
     def take_adopted(self) -> list[tuple[Request, int]]:
         taken, self.adopted = self.adopted, []
+        return taken
+
+    def take_installs(self, limit: int) -> list[PendingInstall]:
+        taken, self.installs = self.installs[:limit], self.installs[limit:]
         return taken
 
     async def wait(self, timeout: float) -> None:
@@ -190,8 +202,15 @@ class Ticker:
         for rid in plan.retracted:
             self.scheduler.get(rid).retracted_at = started
         self._metrics.preemptions.inc(len(plan.retracted))
-        if plan.batch.chunks or self._group is not None:  # every rank applies every plan
-            tokens, indexer_check = await self._forward_and_sample(plan)
+        installs = self.inbox.take_installs(MAX_INSTALLS_PER_TICK)
+        if installs:
+            plan = msgspec.structs.replace(plan, installs=tuple(p.install for p in installs))
+        if plan.batch.chunks or plan.installs or self._group is not None:  # every rank applies every plan
+            landed = [False] * len(installs)  # unless the tick completes
+            try:
+                tokens, indexer_check, landed = await self._forward_and_sample(plan, installs)
+            finally:
+                self._settle_installs(installs, landed, f"it did not land on every rank in tick {plan.seq}")
             self._postprocess(plan, tokens, indexer_check, self._clock())
         self._metrics.ticks.inc()
         self._metrics.tick_duration.observe(self._clock() - started)
@@ -226,16 +245,25 @@ class Ticker:
         self._metrics.time_to_first_token.observe(now - req.arrival)
         self._deliver_token(req, first_token)
 
-    async def run_between_forwards(self, fn: Callable[[], T]) -> T:
-        """Runs `fn` on the forward thread, strictly between two forwards (PD decode: copying a
-        transfer's state into the pools while no forward reads or writes them)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+    @staticmethod
+    def _settle_installs(installs: list[PendingInstall], landed: list[bool], why: str) -> None:
+        """Answers each install's transfer (the first answer stands): the checksums every rank checked
+        what landed against, or InstallFailed."""
+        for pending, ok in zip(installs, landed, strict=True):
+            if pending.done.done():
+                continue
+            if ok:
+                pending.done.set_result((list(pending.install.page_checksums), pending.install.slot_checksum))
+            else:
+                pending.done.set_exception(InstallFailed(f"the state of {pending.install.rid}: {why}"))
 
     def fail_all(self, error: str) -> None:
         """Ends every live request with `error` (the tick loop is gone; nothing will be released).
         503: the requests were fine, the engine can no longer serve them."""
         queued, _ = self.inbox.take()
         queued += [req for req, _ in self.inbox.take_adopted()]
+        installs = self.inbox.take_installs(len(self.inbox.installs))
+        self._settle_installs(installs, [False] * len(installs), error)
         for req in [*self.scheduler.requests(), *queued]:
             req.finish_reason, req.error, req.error_status = "error", error, 503
             self._end(req, self._clock())
@@ -245,13 +273,15 @@ class Ticker:
         self._executor.shutdown(wait=wait, cancel_futures=True)
 
     # -- forward and sample (worker thread) --------------------------------------------------------
-    async def _forward_and_sample(self, plan: TickPlan) -> tuple[list[int | Exception], IndexerVerifier | None]:
+    async def _forward_and_sample(self, plan: TickPlan, installs: list[PendingInstall]
+                                  ) -> tuple[list[int | Exception], IndexerVerifier | None, list[bool]]:
         sampled = [self.scheduler.get(c.rid) for c in plan.batch.chunks if c.sample]
         params = [r.sampling for r in sampled]
         positions = [r.num_tokens for r in sampled]  # where each sampled token will stand
         histories = [(r.prompt_ids, tuple(r.output_ids)) if r.sampling.needs_history else None for r in sampled]
+        data = [p.data for p in installs] if installs else None
         work = asyncio.get_running_loop().run_in_executor(self._executor, self._run, plan, params, positions,
-                                                          histories)
+                                                          histories, data)
         try:
             async with asyncio.timeout(self._forward_deadline):
                 return await work
@@ -260,9 +290,10 @@ class Ticker:
                 f"forward of tick {plan.seq} did not return within {self._forward_deadline:.0f} s"
             ) from None
 
-    def _run(self, plan: TickPlan, params: list[SamplingParams], positions: list[int],
-             histories: list[History | None]) -> tuple[list[int | Exception], IndexerVerifier | None]:
-        """The sampled tokens, and the runner's indexer check of this forward (None when not verified)."""
+    def _run(self, plan: TickPlan, params: list[SamplingParams], positions: list[int], histories: list[History | None],
+             install_data: list[np.ndarray] | None) -> tuple[list[int | Exception], IndexerVerifier | None, list[bool]]:
+        """The sampled tokens, the runner's indexer check of this forward (None when not verified), and
+        whether each of the plan's installs landed on every rank."""
         if plan.seq == self._faults.stall_at_tick:
             time.sleep(self._faults.stall_seconds)
         if plan.seq == self._faults.crash_at_tick:
@@ -272,19 +303,21 @@ class Ticker:
             self._delays.sleep("plan", plan.seq)
             group.tick = plan.seq
             group.broadcast_plan(plan)
+        landed = receive_installs(self.runner.pools, plan.installs, group, install_data) if plan.installs else []
+        if group is not None:
             self._delays.sleep("forward", plan.seq)
         with torch.inference_mode():
             logits = self.runner.forward(plan.batch)
             if group is not None:
                 self._delays.sleep("consensus", plan.seq)
-                self.rank_ticks = consensus(group, plan.seq)
+                self.rank_ticks, landed = consensus(group, plan.seq, landed)
                 behind = [r for r, seq in enumerate(self.rank_ticks) if seq != plan.seq]
                 if behind:
                     raise TickFailed(f"ranks {behind} did not complete tick {plan.seq}: {self.rank_ticks}")
             if logits.shape[0] != len(params):
                 raise TickFailed(f"runner returned {logits.shape[0]} rows of logits for {len(params)} sampled chunks")
             indexer_check = self.runner.indexer_check if self._verify_indexer != "off" else None
-            return _sample_isolated(logits, params, positions, histories), indexer_check
+            return _sample_isolated(logits, params, positions, histories), indexer_check, landed
 
     # -- delivery (event loop) --------------------------------------------------------------------------
     def _postprocess(self, plan: TickPlan, tokens: list[int | Exception], indexer_check: IndexerVerifier | None,

@@ -97,7 +97,7 @@ class FakeDecodeTarget:
             self.allocator.pages.free(h)
         self.allocator.slots.free(slot)
 
-    async def install(self, pages, slot, page_data, slot_data):
+    async def install(self, rid, pages, slot, page_data, slot_data):
         for h, data in zip(pages, page_data):
             self.allocator.pages.check(h)
             self.pages[h.id] = data

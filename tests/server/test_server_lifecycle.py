@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 
 import pytest
 
@@ -136,3 +137,25 @@ async def test_prompts_too_long_to_fit_are_refused_before_tokenising(client, eng
     assert response.status == 400
     error = (await response.json())["error"]
     assert error["code"] == "context_length_exceeded" and "60000 characters" in error["message"]
+
+
+async def test_long_prompts_are_tokenised_off_the_event_loop(client, engine, monkeypatch):
+    """A prompt that may fit but is long is tokenised on a worker thread (through the tokenizer's
+    entry point that releases the GIL), so the loop keeps answering; short ones stay inline."""
+    engine.max_context = 100_000
+    threads = []
+
+    def record(name):
+        real = getattr(engine.tokenizer, name)
+
+        def tokenize(text):
+            threads.append((name, threading.current_thread() is threading.main_thread()))
+            return real(text)
+        return tokenize
+
+    monkeypatch.setattr(engine.tokenizer, "encode", record("encode"))
+    monkeypatch.setattr(engine.tokenizer, "encode_without_gil", record("encode_without_gil"))
+    for text in ("short", "y" * 60_000):
+        response = await client.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 2}})
+        assert response.status == 200, await response.text()
+    assert threads == [("encode", True), ("encode_without_gil", False)]

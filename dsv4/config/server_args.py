@@ -15,7 +15,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 INDEX_KEY_DTYPES = ("fp8", "bf16", "fp32")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEVICES = ("cpu", "cuda")
-VERIFY_INDEXER_MODES = ("off", "count", "fail")
+VERIFY_INDEXER_MODES = ("off", "count", "full", "fail")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
@@ -48,7 +48,7 @@ class ServerArgs:
     disable_radix_cache: bool = False  # the prefix cache (docs/PREFIX_CACHE.md) is on by default
     # -- device and live cross-checks (owner: dsv4/model, dsv4/kernels) --
     device: str | None = None  # where pools and weights live; None: cuda when available, else cpu
-    verify_indexer: str = "off"  # count: count and log indexer disagreements; fail: also fail the request
+    verify_indexer: str = "off"  # off | count | full | fail: see --verify-indexer's help
     verify_indexer_every: int = 1  # verify the indexer's selections every N ticks
     # -- disaggregation (owner: dsv4/disagg; checked in _check_disaggregation) --
     disaggregation_mode: str = "null"  # null: colocated; prefill or decode: one side of a PD pair
@@ -185,8 +185,9 @@ class ServerArgs:
             help="where the model's weights and state live (default: cuda when available, else cpu)")
         add("--verify-indexer", nargs="?", const="count", choices=VERIFY_INDEXER_MODES, default=d.verify_indexer,
             help="re-run the reference indexer on the cached state and compare its top-k with the fast path's; "
-                 "count (the default when given without a value): count and log disagreements; fail: also fail "
-                 "the affected request")
+                 "count (the default when given without a value): count and log disagreements; full: as count, "
+                 "with the index queries and head weights also recomputed from the layer input by reference "
+                 "code (slower); fail: as count, and also fail the affected request")
         add("--verify-indexer-every", type=int, default=d.verify_indexer_every, metavar="N",
             help="with --verify-indexer: verify every N ticks")
         # -- disaggregation --

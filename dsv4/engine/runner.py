@@ -7,7 +7,8 @@ resets a slot, so a slot needs no release.
 
 Pools and weights live on `--device`; logits come back on the CPU. With `--verify-indexer`, every
 `--verify-indexer-every` ticks the forward's indexer selections are checked against the reference
-(`dsv4.engine.indexer_check`); the result is `indexer_check`, beside the logits.
+(`dsv4.engine.indexer_check`; with `full`, from queries the reference recomputes); the result is
+`indexer_check`, beside the logits.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dsv4.model.plan import build_plan
 from dsv4.model.sharding import Reducer, ShardPlan
 from dsv4.protocol import ForwardBatch
 
-from .indexer_check import IndexerVerifier
+from .indexer_check import IndexerVerifier, IndexQueryOracle
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
@@ -58,6 +59,8 @@ class ModelRunner:
                                 index_key_dtype=args.index_key_dtype, device=self.device,
                                 fingerprint_index_keys=self.verify_indexer)
         self.model = PagedModel(cfg, weights, self.dtype, self.pools, kernels=kernels, shard=shard, reduce=reduce)
+        self.index_query_oracle = (IndexQueryOracle(cfg, weights, self.dtype, self.device)
+                                   if args.verify_indexer == "full" else None)
         self.indexer_check: IndexerVerifier | None = None  # of the last forward, when it was verified
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -78,7 +81,7 @@ class ModelRunner:
             plan = plan.to(self.device)
         if not (self.verify_indexer and batch.tick % self.verify_indexer_every == 0):
             return self.model.forward(plan).cpu()
-        verifier = IndexerVerifier(plan, self.pools, self.cfg.index_topk)
+        verifier = IndexerVerifier(plan, self.pools, self.cfg.index_topk, self.index_query_oracle)
         logits = self.model.forward(plan, verifier).cpu()
         self.indexer_check = verifier
         return logits

@@ -173,7 +173,7 @@ class Ticker:
         self._forward_deadline = forward_deadline
         self._faults = faults or FaultInjection()
         self._clock = clock
-        self._verify_indexer = verify_indexer  # off | count | fail (ServerArgs.verify_indexer)
+        self._verify_indexer = verify_indexer  # off | count | full | fail (ServerArgs.verify_indexer)
         self._decoding: dict[str, _Decoding] = {}
         self._group = group
         self._delays = rank_faults(self._faults, 0)

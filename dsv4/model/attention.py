@@ -79,14 +79,14 @@ class PagedAttention:
                 index_queries = self._index_queries(x, qr, rope)
 
         if self.kernels:
-            out = self._attend_with_kernels(q, raw_rows, index_queries, plan, on_selection)
+            out = self._attend_with_kernels(x, q, raw_rows, index_queries, plan, on_selection)
         else:
             raw_keys = self._main_rows(raw_rows)  # [T, D] as the ring will return them
             picks = [None] * len(plan.groups)
             if index_queries is not None:
                 picks = [self._picks(group, index_queries, positions) for group in plan.groups]
                 if on_selection is not None:
-                    on_selection(IndexerSelection(self.layer, *index_queries, _token_picks(picks, cfg.index_topk)))
+                    on_selection(IndexerSelection(self.layer, x, *index_queries, _token_picks(picks, cfg.index_topk)))
             out = torch.cat([self._attend(group, q, raw_keys, group_picks)
                              for group, group_picks in zip(plan.groups, picks, strict=True)], dim=1)
         ring = plan.ring_write
@@ -98,9 +98,10 @@ class PagedAttention:
         out = linear(low_rank, self.wo_b)
         return out if self.reduce is None else self.reduce.all_reduce_sum(out, "attn.out")  # this rank's groups' share
 
-    def _attend_with_kernels(self, q: torch.Tensor, raw_rows: torch.Tensor, index_queries, plan: BatchPlan,
-                             on_selection: SelectionSink | None) -> torch.Tensor:
-        """q [H, T, D], raw_rows [T, row_bytes] -> attention output [H, T, D], the whole batch at once."""
+    def _attend_with_kernels(self, x: torch.Tensor, q: torch.Tensor, raw_rows: torch.Tensor, index_queries,
+                             plan: BatchPlan, on_selection: SelectionSink | None) -> torch.Tensor:
+        """x [T, hidden] the layer input, q [H, T, D], raw_rows [T, row_bytes] -> attention output [H, T, D],
+        the whole batch at once."""
         cfg, pools = self.cfg, self.pools
         selected = None
         if index_queries is not None and self.reduce is not None:  # scores summed across ranks first
@@ -110,7 +111,7 @@ class PagedAttention:
             selected = dispatch.indexer_topk(*index_queries, pools.index_keys(self.layer), pools.index_format,
                                              plan.page_table, plan.token_chunk, plan.positions, cfg.index_topk)
             if on_selection is not None:
-                on_selection(IndexerSelection(self.layer, *index_queries, selected))
+                on_selection(IndexerSelection(self.layer, x, *index_queries, selected))
         compressed = self.compressor is not None
         out = dispatch.sparse_attention(
             q.transpose(0, 1), self.sink, raw_rows, pools.window(self.layer), plan.token_chunk, plan.positions,

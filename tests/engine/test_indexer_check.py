@@ -56,7 +56,7 @@ class Case:
         picks = torch.tensor(picks).view(1, -1)
         padded = torch.full((1, CFG.index_topk), -1, dtype=torch.int64)
         padded[:, : picks.shape[1]] = picks[:, : CFG.index_topk]
-        verifier(IndexerSelection(LAYER, self.q, self.weights, padded))
+        verifier(IndexerSelection(LAYER, torch.zeros(1, CFG.hidden_size), self.q, self.weights, padded))
         return verifier
 
 

@@ -11,8 +11,9 @@
 # collection, the bench's argument parsing and a tiny CPU run of each benchmark case), exits 0.
 
 # The model and engine on CUDA: paged model and kernel path against the reference, and
-# --verify-indexer under load (zero mismatches; flipped index-key bytes caught).
-ENGINE_TESTS=(tests/model tests/engine/test_verify_indexer.py)
+# --verify-indexer under load (zero mismatches; flipped index-key bytes caught) and its full mode.
+ENGINE_TESTS=(tests/model tests/engine/test_verify_indexer.py tests/engine/test_indexer_check.py
+              tests/engine/test_verify_indexer_full.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

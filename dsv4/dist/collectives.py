@@ -25,6 +25,7 @@ import torch.distributed as dist
 from dsv4.protocol import TickPlan
 
 JOIN_POLL_S = 0.05
+DEATH_NOTICE_S = 2.0  # how long a failed collective waits to see which rank process died
 _NO_VALUE = torch.iinfo(torch.int64).max  # MIN-reduce identity
 
 
@@ -137,6 +138,17 @@ class TpGroup:
         self._run("all_reduce", "consensus", lambda: dist.all_reduce(vector, op=dist.ReduceOp.MIN))
         return vector.tolist()
 
+    def _dead_rank_within(self, seconds: float) -> str | None:
+        """Rank 0: the rank process found dead within `seconds`. A peer's connection breaks while
+        its process is still exiting, before the exit can be seen, so a collective that fails at
+        once waits this long to name the rank behind it."""
+        if self.dead_rank is None:
+            return None
+        deadline = time.monotonic() + seconds
+        while (dead := self.dead_rank()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return dead
+
     def _run(self, op: str, name: str, call: Callable[[], object]) -> None:
         label = f"{op}({name})"
         started = time.monotonic()
@@ -151,7 +163,7 @@ class TpGroup:
             self.slowest = (label, seconds, self.tick)
 
     def _failure(self, label: str, seconds: float, error: Exception) -> str:
-        dead = self.dead_rank() if self.dead_rank is not None else None
+        dead = self._dead_rank_within(DEATH_NOTICE_S)
         if dead is not None:
             return f"{dead}: {label} of tick {self.tick} failed on rank {self.rank}"
         others = [r for r in range(self.size) if r != self.rank]

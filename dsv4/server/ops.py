@@ -28,8 +28,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def health_ready(request: web.Request) -> web.Response:
     ready, reasons = request.app[ENGINE].ready()
-    if request.app[LIFECYCLE].draining:
-        ready, reasons = False, ["the server is shutting down", *reasons]
+    if request.app[LIFECYCLE].draining:  # after the engine's reasons: why it stopped comes first
+        ready, reasons = False, [*reasons, "the server is shutting down"]
     return json_response({"ready": ready, "reasons": list(reasons)}, status=200 if ready else 503)
 
 

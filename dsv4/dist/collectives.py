@@ -163,11 +163,14 @@ class TpGroup:
             self.slowest = (label, seconds, self.tick)
 
     def _failure(self, label: str, seconds: float, error: Exception) -> str:
-        dead = self._dead_rank_within(DEATH_NOTICE_S)
+        timed_out = seconds >= 0.9 * self.timeout  # the backend enforces the deadline; its clock starts later
+        # A deadline missed names the late rank as it is now: waiting longer would let a rank that was
+        # only slow reach the collective, find the group gone and exit, and be misnamed as dead.
+        dead = self._dead_rank_within(0.0 if timed_out else DEATH_NOTICE_S)
         if dead is not None:
             return f"{dead}: {label} of tick {self.tick} failed on rank {self.rank}"
         others = [r for r in range(self.size) if r != self.rank]
         who = f"rank {others[0]}" if len(others) == 1 else "a rank of " + ", ".join(map(str, others))
-        if seconds >= 0.9 * self.timeout:  # the backend enforces the deadline; its clock starts a bit later
+        if timed_out:
             return f"{who} did not reach {label} of tick {self.tick} within {self.timeout:g} s"
         return f"{label} of tick {self.tick} failed on rank {self.rank} ({who} lost?): {type(error).__name__}: {error}"

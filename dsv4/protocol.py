@@ -103,6 +103,11 @@ class TickPlan(msgspec.Struct, frozen=True, kw_only=True):
 
     seq: int
     batch: ForwardBatch
+    # (id, generation) of every page and slot unit allocated since the previous plan: every rank's
+    # pools learn each tenancy before this plan's installs and forward, and from then on accept that
+    # generation only (ARCHITECTURE.md invariant 2).
+    page_handouts: tuple[tuple[int, int], ...] = ()
+    slot_handouts: tuple[tuple[int, int], ...] = ()
     # PD decode: states installed before this tick's forward; a request is adopted (`adopted`, in a
     # later plan) only once the tick's consensus vector showed its install landed on every rank.
     installs: tuple[StateInstall, ...] = ()

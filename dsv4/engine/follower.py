@@ -45,6 +45,7 @@ class Follower:
         if plan.seq != self._seq + 1:
             raise RuntimeError(f"rank {group.rank}: received the plan of tick {plan.seq} after tick {self._seq}")
         self._seq = plan.seq
+        self.runner.begin_tenancies(plan.page_handouts, plan.slot_handouts)
         landed = receive_installs(self.runner.pools, plan.installs, group, None)
         self._delays.sleep("forward", plan.seq)
         with torch.inference_mode():

@@ -86,19 +86,15 @@ class ModelRunner:
         self.indexer_check = verifier
         return logits
 
+    def begin_tenancies(self, page_handouts, slot_handouts) -> None:
+        """A plan's allocator handouts, before its installs and forward name them."""
+        self.pools.begin_tenancies(page_handouts, slot_handouts)
+
     def _copy_slots(self, copies) -> None:
         """Prefix cache: slot-sized units copied whole (slot <-> boundary snapshot), generations checked."""
         for c in copies:
             src = self.pools.slot_view(c.src, c.src_generation)
             self.pools.slot_view(c.dst, c.dst_generation).copy_(src)
-
-    def verify_page_generations(self, page_ids, generations) -> None:
-        """Raises StaleReference if any (page, generation) names a page's earlier tenancy."""
-        self.pools.bind_pages(page_ids, generations)
-
-    def reset(self) -> None:
-        """Forget all state (rows and generations)."""
-        self.pools.reset()
 
     def _check(self, batch: ForwardBatch) -> None:
         slots = [c.slot for c in batch.chunks]

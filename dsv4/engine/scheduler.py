@@ -215,8 +215,11 @@ class Scheduler:
         else:
             self.new_token_ratio = INIT_RATIO
         self._seq += 1
+        page_handouts, slot_handouts = self.allocator.drain_handouts()
         plan = TickPlan(
             seq=self._seq,
+            page_handouts=page_handouts,
+            slot_handouts=slot_handouts,
             batch=ForwardBatch(tick=self._seq, chunks=tuple(chunks), restores=tuple(restores),
                                snapshots=tuple(snapshots)),
             finished=tuple(self._finished_since_plan),
@@ -286,7 +289,7 @@ class Scheduler:
         if not req.output_ids:
             req.cached_tokens = req.num_computed
         if hit:
-            restores.append(SlotCopy(self._snapshot_unit(hit[-1].snapshot), hit[-1].snapshot.generation,
+            restores.append(SlotCopy(self.allocator.snapshot_unit(hit[-1].snapshot), hit[-1].snapshot.generation,
                                      req.slot.id, req.slot.generation))
         req.state = RequestState.RUNNING
         req.last_event = "readmitted" if req.retractions else "admitted"
@@ -342,11 +345,7 @@ class Scheduler:
             return None  # every snapshot is shared: this page and the request's later ones stay its own
         (unit,) = units.allocate(req.rid)
         self._snapshotted.append((req, unit))
-        return SlotCopy(req.slot.id, req.slot.generation, self._snapshot_unit(unit), unit.generation)
-
-    def _snapshot_unit(self, snapshot: Handle) -> int:
-        """Snapshot units follow the slots in the pools."""
-        return self.allocator.slots.capacity + snapshot.id
+        return SlotCopy(req.slot.id, req.slot.generation, self.allocator.snapshot_unit(unit), unit.generation)
 
     def _commit_snapshots(self) -> None:
         """The last plan's forward is done: each page it completed joins the cache with its snapshot,

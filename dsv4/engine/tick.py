@@ -205,7 +205,8 @@ class Ticker:
         installs = self.inbox.take_installs(MAX_INSTALLS_PER_TICK)
         if installs:
             plan = msgspec.structs.replace(plan, installs=tuple(p.install for p in installs))
-        if plan.batch.chunks or plan.installs or self._group is not None:  # every rank applies every plan
+        if plan.batch.chunks or plan.installs or plan.page_handouts or plan.slot_handouts or self._group is not None:
+            # every rank applies every plan that changes anything
             landed = [False] * len(installs)  # unless the tick completes
             try:
                 tokens, indexer_check, landed = await self._forward_and_sample(plan, installs)
@@ -303,6 +304,7 @@ class Ticker:
             self._delays.sleep("plan", plan.seq)
             group.tick = plan.seq
             group.broadcast_plan(plan)
+        self.runner.begin_tenancies(plan.page_handouts, plan.slot_handouts)
         landed = receive_installs(self.runner.pools, plan.installs, group, install_data) if plan.installs else []
         if group is not None:
             self._delays.sleep("forward", plan.seq)

@@ -43,6 +43,8 @@ class GenerationalAllocator:
         self._free: deque[int] = deque(range(capacity))
         self._generation = [0] * capacity
         self._owner: list[str | None] = [None] * capacity
+        self._handouts: list[Handle] = []  # since the last `drain_handouts`
+
 
     @property
     def num_free(self) -> int:
@@ -58,7 +60,14 @@ class GenerationalAllocator:
             self._generation[i] += 1
             self._owner[i] = owner
             handles.append(Handle(i, self._generation[i]))
+        self._handouts += handles
         return handles
+
+    def drain_handouts(self) -> list[Handle]:
+        """Every (id, generation) allocated since the last call: the tenancies the pools must learn
+        before any reader or writer names them (they accept only an id's current generation)."""
+        handouts, self._handouts = self._handouts, []
+        return handouts
 
     def free(self, handle: Handle) -> None:
         self.check(handle)
@@ -97,6 +106,18 @@ class PageSlotAllocator:
         self.pages = GenerationalAllocator("page", num_pages)
         self.slots = GenerationalAllocator("slot", num_slots)
         self.snapshots = GenerationalAllocator("snapshot", num_snapshots) if num_snapshots else None
+
+    def drain_handouts(self) -> tuple[tuple[Handle, ...], tuple[Handle, ...]]:
+        """(pages, slot units) allocated since the last call; snapshots as the slot-sized units they
+        are in the pools, after the slots."""
+        slots = self.slots.drain_handouts()
+        if self.snapshots is not None:
+            slots += [Handle(self.snapshot_unit(h), h.generation) for h in self.snapshots.drain_handouts()]
+        return tuple(self.pages.drain_handouts()), tuple(slots)
+
+    def snapshot_unit(self, snapshot: Handle) -> int:
+        """The pools' slot-sized unit of a snapshot: snapshot units follow the slots."""
+        return self.slots.capacity + snapshot.id
 
     def snapshot(self) -> dict:
         return {

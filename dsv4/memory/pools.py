@@ -25,8 +25,9 @@ has an int64 fingerprint of its bytes, recorded when the row is written (by the 
 `write_page`); a verifier recomputes it to catch bytes that changed afterwards, which both the fast
 and the reference indexer would read alike (a late or racing write into the cache).
 
-Generations: the engine's allocator bumps a page's or slot's generation on every allocation; every
-reader or writer names (id, generation) and `bind` rejects one older than the newest seen.
+Generations: the engine's allocator bumps a page's or slot's generation on every allocation, and the
+pools learn each handout (`begin_tenancies`, from the tick plan) before anything names it; every
+reader or writer names (id, generation) and `bind` rejects any generation but the current one.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 class StaleReference(RuntimeError):
-    """A page or slot was named under a generation older than the one it now belongs to."""
+    """A page or slot was named under a generation other than the one it now belongs to."""
 
 
 @dataclass(frozen=True)
@@ -125,28 +126,36 @@ class _Units:
         r = self.regions[name]
         return self.data[:, r.offset : r.offset + r.nbytes].unflatten(1, (r.rows, r.row_bytes))
 
+    def begin_tenancies(self, what: str, ids, generations) -> None:
+        """Records newly allocated (id, generation) pairs, in allocation order: from now on each id
+        answers to its newest generation only (an id freed and allocated again since the last call
+        appears more than once). Generations only grow: one not newer is an allocator bug."""
+        ids, generations = self._checked(what, ids, generations)
+        behind = generations <= self.generations[ids]
+        if behind.any():
+            i = int(np.argmax(behind))
+            raise StaleReference(f"{what} {ids[i]}: handed out under generation {generations[i]}, "
+                                 f"not newer than its generation {self.generations[ids[i]]}")
+        np.maximum.at(self.generations, ids, generations)
+
     def bind(self, what: str, ids, generations) -> None:
+        """Raises unless every (id, generation) names the id's current tenancy."""
+        ids, generations = self._checked(what, ids, generations)
+        current = self.generations[ids]
+        wrong = generations != current
+        if wrong.any():
+            i = int(np.argmax(wrong))
+            why = "is stale" if generations[i] < current[i] else "was never handed out"
+            raise StaleReference(f"{what} {ids[i]}: generation {generations[i]} {why} (now at generation {current[i]})")
+
+    def _checked(self, what: str, ids, generations) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         generations = np.asarray(generations, dtype=np.int64).reshape(-1)
         if ids.shape != generations.shape:
             raise ValueError(f"{what}: {ids.size} ids but {generations.size} generations")
         if ids.size and (ids.min() < 0 or ids.max() >= len(self.generations)):
             raise IndexError(f"{what} id out of range 0..{len(self.generations) - 1}: {ids.tolist()}")
-        order = np.lexsort((generations, ids))
-        same_id = ids[order][1:] == ids[order][:-1]
-        conflict = same_id & (generations[order][1:] != generations[order][:-1])
-        if conflict.any():
-            i = int(np.argmax(conflict))
-            raise StaleReference(f"{what} {ids[order][i]}: named under generations "
-                                 f"{generations[order][i]} and {generations[order][i + 1]} at once")
-        current = self.generations[ids]
-        stale = generations < current
-        if stale.any():
-            i = int(np.argmax(stale))
-            raise StaleReference(
-                f"{what} {ids[i]}: generation {generations[i]} is stale (now at generation {current[i]})"
-            )
-        np.maximum.at(self.generations, ids, generations)
+        return ids, generations
 
     def checksum(self, unit: int) -> int:
         return zlib.crc32(self.data[unit].cpu().numpy())
@@ -244,12 +253,18 @@ class StatePools:
         return now != self._index_fingerprints[layer][pages, rows]
 
     # -- generations ------------------------------------------------------------------------------
+    def begin_tenancies(self, page_handouts, slot_handouts) -> None:
+        """The allocator's handouts since the last call, as (id, generation) pairs (a TickPlan's)."""
+        for units, what, handouts in ((self._pages, "page", page_handouts), (self._slots, "slot", slot_handouts)):
+            if handouts:
+                ids, generations = zip(*handouts)
+                units.begin_tenancies(what, ids, generations)
+
     def bind(self, page_id: int, generation: int) -> None:
-        """Check that `generation` is not older than the page's newest, and record it."""
+        """Raises StaleReference unless `generation` is the page's current one."""
         self._pages.bind("page", [page_id], [generation])
 
     def bind_pages(self, page_ids, generations) -> None:
-        """`bind` for many pages at once; nothing is recorded if any reference is stale."""
         self._pages.bind("page", page_ids, generations)
 
     def bind_slot(self, slot: int, generation: int) -> None:
@@ -306,14 +321,6 @@ class StatePools:
 
     def slot_checksum(self, slot: int) -> int:
         return self._slots.checksum(slot)
-
-    def reset(self) -> None:
-        """Zero every row and forget every generation."""
-        for units in (self._pages, self._slots):
-            units.data.zero_()
-            units.generations.fill(-1)
-        for fingerprints in self._index_fingerprints.values():
-            fingerprints.zero_()
 
 
 def _copy_into(dst: torch.Tensor, data: bytes | torch.Tensor, what: str) -> None:

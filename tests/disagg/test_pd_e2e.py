@@ -127,6 +127,7 @@ def test_abort_storm_script(stack):
            "--throughput-samples", "1",
            "--request-timeout", "60", "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.stdout.strip(), f"abort_storm.py printed no summary (exit {done.returncode}): {done.stderr[-3000:]}"
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["passed"], summary
     assert sum(r["aborted"] for r in summary["rounds"]) > 0.8 * 10 * 200

@@ -38,8 +38,14 @@ class ScriptedRunner:
         self.forward_delay = forward_delay
         self.forwards = 0
         self._history: dict[int, list[int]] = {}
-        self._page_generation = [0] * num_pages
-        self._slot_generation = [0] * (num_slots + self.num_snapshots)
+        self._page_generation = [-1] * num_pages
+        self._slot_generation = [-1] * (num_slots + self.num_snapshots)
+
+    def begin_tenancies(self, page_handouts, slot_handouts) -> None:
+        for record, handouts in ((self._page_generation, page_handouts), (self._slot_generation, slot_handouts)):
+            for i, generation in handouts:  # in allocation order: an id may appear more than once
+                assert generation > record[i], f"unit {i} handed out again under generation {generation}"
+                record[i] = generation
 
     def forward(self, batch):
         self.forwards += 1
@@ -74,6 +80,5 @@ class ScriptedRunner:
 
     @staticmethod
     def _bind(record: list[int], kind: str, i: int, generation: int) -> None:
-        if generation < record[i]:
-            raise StaleReference(f"{kind} {i} generation {generation} < {record[i]}")
-        record[i] = generation
+        if generation != record[i]:
+            raise StaleReference(f"{kind} {i} generation {generation}, current {record[i]}")

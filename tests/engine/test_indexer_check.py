@@ -29,6 +29,7 @@ class Case:
         gen = torch.Generator().manual_seed(seed)
         self.pools = StatePools(CFG, num_pages=2, num_slots=1, page_size=PAGE, dtype=torch.float32,
                                 index_key_dtype="fp8", fingerprint_index_keys=True)
+        self.pools.begin_tenancies([(0, 1), (1, 1)], [(0, 1)])
         chunk = ForwardChunk(rid="r", slot=0, slot_generation=1, start_pos=POSITION, token_ids=(5,), page_ids=PAGES,
                              page_generations=(1, 1), sample=True)
         self.plan = build_plan(CFG, ForwardBatch(tick=1, chunks=(chunk,)), PAGE)

@@ -29,6 +29,7 @@ def check_prefill(model, mode: str, dtype: str = "float32"):
     args = ServerArgs(dtype=dtype, page_size=PAGE, max_running_requests=1, max_total_tokens=4 * PAGE,
                       verify_indexer=mode)
     runner = ModelRunner(cfg, weights, args)
+    runner.begin_tenancies([(p, 1) for p in range(runner.num_pages)], [(0, 1)])
     prompt = torch.randint(0, cfg.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5)).tolist()
     chunk = ForwardChunk(rid="r", slot=0, slot_generation=1, start_pos=0, token_ids=tuple(prompt),
                          page_ids=(2, 0, 1), page_generations=(1, 1, 1), sample=True)

@@ -46,6 +46,7 @@ def test_kernel_path_matches_reference(model, index_key_dtype):
     args = ServerArgs(dtype="float32", page_size=PAGE, max_running_requests=2, max_total_tokens=8 * PAGE,
                       index_key_dtype=index_key_dtype, verify_indexer="count")
     runner = ModelRunner(cfg, weights, args, kernels=True)
+    runner.begin_tenancies([(p, 1) for p in range(runner.num_pages)], [(s, 1) for s in range(runner.num_slots)])
     # Prefill in chunks, then four decode steps of the same (teacher-forced) tokens.
     sizes = {"A": list(A_SIZES) + [1] * 4, "B": list(B_SIZES) + [1] * 4}
     slots, pages, start = {"A": 1, "B": 0}, {"A": A_PAGES, "B": B_PAGES}, {"A": 0, "B": 0}

@@ -39,7 +39,10 @@ def make_runner(model, dtype="float32", kv_cache_dtype="auto", index_key_dtype="
     cfg, weights = model
     args = ServerArgs(dtype=dtype, page_size=PAGE, max_running_requests=6, max_total_tokens=16 * PAGE,
                       kv_cache_dtype=kv_cache_dtype, index_key_dtype=index_key_dtype)
-    return ModelRunner(cfg, weights, args)
+    runner = ModelRunner(cfg, weights, args)
+    # The chunks below name every page and slot under generation 1, as an allocator's first handouts.
+    runner.begin_tenancies([(p, 1) for p in range(runner.num_pages)], [(s, 1) for s in range(runner.num_slots)])
+    return runner
 
 
 def reference_logits(model, ids, dtype=torch.float32, **rounding) -> torch.Tensor:

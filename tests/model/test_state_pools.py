@@ -58,23 +58,30 @@ def test_layout_covers_every_layer_once():
 
 def test_generations():
     p = pools()
+    with pytest.raises(StaleReference, match="page 2: generation 1 was never handed out"):
+        p.bind(2, 1)
+    p.begin_tenancies([(2, 1)], [(1, 4)])
     p.bind(2, 1)
     p.bind(2, 1)  # the same tenancy, again
-    p.bind(2, 3)  # re-allocated since: recorded
+    with pytest.raises(StaleReference, match="page 2: generation 3 was never handed out"):
+        p.bind(2, 3)  # a generation from the future is as wrong as one from the past
+    p.begin_tenancies([(2, 3)], [])  # re-allocated
     with pytest.raises(StaleReference, match="page 2: generation 1 is stale"):
         p.bind(2, 1)
+    with pytest.raises(StaleReference, match="not newer"):
+        p.begin_tenancies([(2, 3)], [])
+    p.begin_tenancies([(0, 1), (0, 2)], [])  # allocated, freed and allocated again between two plans
+    p.bind(0, 2)
     with pytest.raises(StaleReference):
-        p.bind_pages([0, 2], [5, 2])
-    assert p.page_generation(0) == -1, "a rejected batch of references records nothing"
-    with pytest.raises(StaleReference, match="at once"):
-        p.bind_pages([1, 0, 1], [4, 4, 5])
-    p.bind_slot(1, 4)
+        p.bind_pages([2, 0], [3, 1])
     with pytest.raises(StaleReference, match="slot 1"):
         p.read_slot(1, 3)
+    p.read_slot(1, 4)
 
 
 def test_pages_and_slots_as_bytes():
     p = pools(kv_cache_dtype="fp8_e4m3")
+    p.begin_tenancies([(3, 1)], [(0, 1), (1, 1)])
     data = torch.randint(0, 256, (p.page_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     p.write_page(3, 1, data.numpy().tobytes())
     assert p.read_page(3, 1) == data.numpy().tobytes()
@@ -99,14 +106,15 @@ def test_runner_rejects_stale_references_before_writing():
         return ForwardChunk(rid="r", slot=0, slot_generation=slot_generation, start_pos=0, token_ids=(5, 6, 7),
                             page_ids=(2,), page_generations=(page_generation,), sample=True)
 
+    runner.begin_tenancies([(2, 1), (3, 1)], [(0, 1), (1, 1)])
+    runner.begin_tenancies([(2, 2)], [])  # page 2 re-allocated
     runner.forward(ForwardBatch(tick=0, chunks=(chunk(2),)))
     slot, page = runner.pools.read_slot(0, 1), runner.pools.read_page(2, 2)
     with pytest.raises(StaleReference):
         runner.forward(ForwardBatch(tick=1, chunks=(chunk(1),)))
     with pytest.raises(StaleReference):
-        runner.verify_page_generations([2], [1])
-    runner.verify_page_generations([2], [2])
-    runner.pools.bind_slot(0, 2)  # the slot is re-allocated: its first tenant's chunks are now stale
+        runner.forward(ForwardBatch(tick=1, chunks=(chunk(3),)))
+    runner.begin_tenancies([], [(0, 2)])  # the slot is re-allocated: its first tenant's chunks are now stale
     with pytest.raises(StaleReference):
         runner.forward(ForwardBatch(tick=2, chunks=(chunk(2, slot_generation=1),)))
     assert runner.pools.read_slot(0, 2) == slot and runner.pools.read_page(2, 2) == page, "nothing was written"

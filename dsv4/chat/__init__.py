@@ -6,8 +6,11 @@ re-implements that encoder's logic and reproduces its output byte for byte; ever
 string of the format is read from ``chat_constants.json`` beside this file (a copy of the
 fixture constants, with their ``_source``/``_license`` provenance).  Pure stdlib.
 
-Public API (re-exported here; ``constants``, ``encoder`` and ``parser`` hold them)
+Public API
 ----------
+Re-exported here from ``constants``, ``encoder`` and ``parser``; ``grammar`` builds the grammars
+of constrained replies (JSON answers, DSML tool-call blocks).
+
 ``encode_messages(messages, tools=None, thinking=False, *, context=None,
 drop_thinking=True, add_default_bos_token=True, reasoning_effort=None) -> str``
     OpenAI-style messages -> prompt text.

@@ -32,6 +32,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
+    # Grammar-constrained decoding: llguidance's serialised grammar of the whole completion (compiled
+    # and validated by the server; dsv4/engine/grammar.py), or None.
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -97,6 +97,15 @@ class Tokenizer:
         """Ids whose text the output parsers need (think markers, DSML)."""
         return {i for i in (self.think_start_id, self.think_end_id, self.dsml_id) if i is not None}
 
+    @functools.cached_property
+    def added_token_ids(self) -> frozenset[int]:
+        """Ids of the added tokens: BOS, EOS, role, task, think and DSML markers."""
+        return frozenset(self.inner.get_added_tokens_decoder())
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` stands for (none outside the tokenizer's vocabulary)."""
+        return self._full[token_id] if 0 <= token_id < self.vocab_size else b""
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in the text become their single ids."""
         ids = self.inner.encode(text, add_special_tokens=False).ids

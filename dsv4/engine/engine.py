@@ -24,6 +24,7 @@ from dsv4.cache.radix import RadixCache
 from dsv4.config import CSA, ModelConfig, ServerArgs
 from dsv4.dist.collectives import TpGroup
 from dsv4.dist.ranks import RankProcesses
+from dsv4.engine.grammar import Constraints
 from dsv4.engine.install import InstallFailed, PendingInstall
 from dsv4.engine.metrics import EngineMetrics
 from dsv4.engine.request import AdmissionError, Request
@@ -82,11 +83,12 @@ class Engine:
         )
         self._clock = clock
         self._forward_deadline = FORWARD_DEADLINE_STALLS * args.tick_stall_timeout
+        eos_ids = frozenset({model_config.eos_token_id, tokenizer.eos_id})
         self._ticker = Ticker(
             self.scheduler,
             runner,
             new_detokenizer=lambda: IncrementalDetokenizer(tokenizer),
-            eos_ids=frozenset({model_config.eos_token_id, tokenizer.eos_id}),
+            eos_ids=eos_ids,
             metrics=self.metrics,
             deliver=self._deliver,
             forward_deadline=self._forward_deadline,
@@ -94,6 +96,7 @@ class Engine:
             clock=clock,
             verify_indexer=args.verify_indexer,
             group=group,
+            constraints=Constraints(tokenizer, model_config.vocab_size, eos_ids),
         )
         self._group, self._ranks = group, ranks
         if group is not None:

@@ -40,6 +40,7 @@ import torch
 
 from dsv4.config import FaultInjection, RankDelay
 from dsv4.dist.collectives import TpGroup
+from dsv4.engine.grammar import Constraints, GrammarError
 from dsv4.engine.indexer_check import IndexerVerifier
 from dsv4.engine.install import MAX_INSTALLS_PER_TICK, InstallFailed, PendingInstall, receive_installs
 from dsv4.engine.metrics import EngineMetrics
@@ -162,6 +163,7 @@ class Ticker:
         clock: Callable[[], float] = time.monotonic,
         verify_indexer: str = "off",
         group: TpGroup | None = None,
+        constraints: Constraints | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -176,6 +178,7 @@ class Ticker:
         self._verify_indexer = verify_indexer  # off | count | full | fail (ServerArgs.verify_indexer)
         self._decoding: dict[str, _Decoding] = {}
         self._group = group
+        self._constraints = constraints  # the matchers of constrained requests (dsv4/engine/grammar.py)
         self._delays = rank_faults(self._faults, 0)
         self.rank_ticks: list[int] = []  # TP: the last consensus vector (each rank's completed tick)
         # One thread: forwards run strictly in plan order, as every rank must apply them.
@@ -209,10 +212,10 @@ class Ticker:
             # every rank applies every plan that changes anything
             landed = [False] * len(installs)  # unless the tick completes
             try:
-                tokens, indexer_check, landed = await self._forward_and_sample(plan, installs)
+                tokens, indexer_check, landed, ended = await self._forward_and_sample(plan, installs)
             finally:
                 self._settle_installs(installs, landed, f"it did not land on every rank in tick {plan.seq}")
-            self._postprocess(plan, tokens, indexer_check, self._clock())
+            self._postprocess(plan, tokens, indexer_check, ended, self._clock())
         self._metrics.ticks.inc()
         self._metrics.tick_duration.observe(self._clock() - started)
         self._metrics.observe_capacity(
@@ -234,12 +237,21 @@ class Ticker:
         decoding = _Decoding(req, self._new_detokenizer())
         self.scheduler.add(req)
         self._decoding[req.rid] = decoding
+        if req.sampling.grammar is not None:
+            self._grammars().add(req.rid, req.sampling.grammar)
+
+    def _grammars(self) -> Constraints:
+        if self._constraints is None:
+            raise GrammarError("this engine does not constrain decoding")
+        return self._constraints
 
     def _adopt(self, req: Request, first_token: int, now: float) -> None:
         """PD decode: the request arrives with its prompt computed elsewhere and its first token
         sampled there; that token is delivered (and checked for stop) as if sampled here."""
         self.scheduler.adopt(req)
         self._decoding[req.rid] = _Decoding(req, self._new_detokenizer())
+        if req.sampling.grammar is not None:  # the prefill side sampled the first token under it
+            self._grammars().add(req.rid, req.sampling.grammar, consumed=(first_token,))
         req.output_ids.append(first_token)
         req.first_token_at = req.last_token_at = now
         self._metrics.generation_tokens.inc()
@@ -272,17 +284,22 @@ class Ticker:
     def close(self, wait: bool = False) -> None:
         """Stops the forward thread after the forward in flight, if any (`wait`: until then)."""
         self._executor.shutdown(wait=wait, cancel_futures=True)
+        if self._constraints is not None:
+            self._constraints.close()
 
     # -- forward and sample (worker thread) --------------------------------------------------------
     async def _forward_and_sample(self, plan: TickPlan, installs: list[PendingInstall]
-                                  ) -> tuple[list[int | Exception], IndexerVerifier | None, list[bool]]:
+                                  ) -> tuple[list[int | Exception], IndexerVerifier | None, list[bool], set[str]]:
         sampled = [self.scheduler.get(c.rid) for c in plan.batch.chunks if c.sample]
+        constrained = [(row, r.rid) for row, r in enumerate(sampled) if r.rid in (self._constraints or ())]
+        # The masks are computed on the grammar thread while the forward runs.
+        masks = self._constraints.start_masks(constrained) if constrained else None
         params = [r.sampling for r in sampled]
         positions = [r.num_tokens for r in sampled]  # where each sampled token will stand
         histories = [(r.prompt_ids, tuple(r.output_ids)) if r.sampling.needs_history else None for r in sampled]
         data = [p.data for p in installs] if installs else None
         work = asyncio.get_running_loop().run_in_executor(self._executor, self._run, plan, params, positions,
-                                                          histories, data)
+                                                          histories, data, constrained, masks)
         try:
             async with asyncio.timeout(self._forward_deadline):
                 return await work
@@ -292,9 +309,11 @@ class Ticker:
             ) from None
 
     def _run(self, plan: TickPlan, params: list[SamplingParams], positions: list[int], histories: list[History | None],
-             install_data: list[np.ndarray] | None) -> tuple[list[int | Exception], IndexerVerifier | None, list[bool]]:
-        """The sampled tokens, the runner's indexer check of this forward (None when not verified), and
-        whether each of the plan's installs landed on every rank."""
+             install_data: list[np.ndarray] | None, constrained: list[tuple[int, str]], masks
+             ) -> tuple[list[int | Exception], IndexerVerifier | None, list[bool], set[str]]:
+        """The sampled tokens, the runner's indexer check of this forward (None when not verified),
+        whether each of the plan's installs landed on every rank, and the requests whose grammar ended
+        with their token."""
         if plan.seq == self._faults.stall_at_tick:
             time.sleep(self._faults.stall_seconds)
         if plan.seq == self._faults.crash_at_tick:
@@ -319,11 +338,33 @@ class Ticker:
             if logits.shape[0] != len(params):
                 raise TickFailed(f"runner returned {logits.shape[0]} rows of logits for {len(params)} sampled chunks")
             indexer_check = self.runner.indexer_check if self._verify_indexer != "off" else None
-            return _sample_isolated(logits, params, positions, histories), indexer_check, landed
+            failed: dict[int, str] = {}
+            if constrained:
+                bitmask, failed = masks.result()
+                logits = self._constraints.apply(logits, [row for row, _ in constrained], bitmask)
+            tokens = _sample_isolated(logits, params, positions, histories)
+            ended = self._advance_grammars(constrained, tokens, failed) if constrained else set()
+            return tokens, indexer_check, landed, ended
+
+    def _advance_grammars(self, constrained: list[tuple[int, str]], tokens: list[int | Exception],
+                          failed: dict[int, str]) -> set[str]:
+        """Advances each constrained row's matcher with its token (a row whose mask or matcher failed
+        gets the error instead); returns the requests whose grammar ended."""
+        ended = set()
+        for row, rid in constrained:
+            if row in failed:
+                tokens[row] = GrammarError(failed[row])
+            elif not isinstance(tokens[row], Exception):
+                try:
+                    if self._constraints.advance(rid, tokens[row]):
+                        ended.add(rid)
+                except GrammarError as e:
+                    tokens[row] = e
+        return ended
 
     # -- delivery (event loop) --------------------------------------------------------------------------
     def _postprocess(self, plan: TickPlan, tokens: list[int | Exception], indexer_check: IndexerVerifier | None,
-                     now: float) -> None:
+                     ended: set[str], now: float) -> None:
         failed = self._take_indexer_check(indexer_check) if indexer_check is not None else {}
         sampled = iter(tokens)
         for chunk in plan.batch.chunks:
@@ -335,9 +376,9 @@ class Ticker:
             elif isinstance(token, Exception):
                 self._fail_request(req, "sample", token, now)
             elif token is not None:
-                self._guarded(req, "deliver", now, self._accept, req, token, now)
+                self._guarded(req, "deliver", now, self._accept, req, token, now, chunk.rid in ended)
 
-    def _accept(self, req: Request, token: int, now: float) -> None:
+    def _accept(self, req: Request, token: int, now: float, grammar_ended: bool) -> None:
         """Records one sampled token and delivers it."""
         metrics = self._metrics
         req.output_ids.append(token)
@@ -349,7 +390,7 @@ class Ticker:
         else:
             metrics.inter_token_latency.observe(now - req.last_token_at)
         req.last_token_at = now
-        self._deliver_token(req, token)
+        self._deliver_token(req, token, grammar_ended)
 
     def _take_indexer_check(self, check: IndexerVerifier) -> dict[str, str]:
         """Counts, logs and records on each request a forward's indexer check; returns the requests
@@ -368,9 +409,10 @@ class Ticker:
                 failed.setdefault(mismatch.rid, f"indexer cross-check failed at {where}: {mismatch.detail}")
         return failed
 
-    def _deliver_token(self, req: Request, token: int) -> None:
+    def _deliver_token(self, req: Request, token: int, grammar_ended: bool = False) -> None:
         text_stream = self._decoding[req.rid].text
-        reason = stop_reason(token, len(req.output_ids), req.sampling, self._eos_ids)
+        # A grammar that ended did so with an end of sentence, whatever ignore_eos says.
+        reason = "stop" if grammar_ended else stop_reason(token, len(req.output_ids), req.sampling, self._eos_ids)
         text = "" if reason == "stop" else text_stream.push(token)  # a stop token's text is not output
         if text_stream.stopped:
             reason = "stop"
@@ -424,6 +466,8 @@ class Ticker:
 
     def _forget(self, req: Request, now: float) -> None:
         self._decoding.pop(req.rid, None)
+        if self._constraints is not None:
+            self._constraints.forget(req.rid)
         self._metrics.finished_requests.labels(reason=req.finish_reason).inc()
         self._metrics.e2e_latency.observe(now - req.arrival)
 

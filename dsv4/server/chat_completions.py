@@ -18,6 +18,7 @@ from dsv4.protocol import RequestOutput
 from dsv4.server import validation as v
 from dsv4.server.chat_prompt import ChatPrompt, build_chat_prompt
 from dsv4.server.completions import usage
+from dsv4.server.constraints import chat_grammar_for
 from dsv4.server.errors import bad_request, server_error
 from dsv4.server.http_metrics import HttpMetrics
 from dsv4.server.ops import json_response
@@ -36,6 +37,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         param = "logprobs" if body.logprobs else "top_logprobs"
         raise bad_request("logprobs are not supported", param=param, code="unsupported_parameter")
     prompt = build_chat_prompt(body)
+    grammar = await chat_grammar_for(body, prompt, engine.tokenizer)
     input_ids = await v.tokenize(engine.tokenizer, prompt.text, engine.max_context, "messages")
     tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -43,7 +45,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         max_tokens = max(engine.max_context - len(input_ids), 1)  # OpenAI's default: the rest of the context
     sampling = v.make_sampling(
         body, max_new_tokens=max_tokens, tokens_param=tokens_param, vocab_size=engine.model_config.vocab_size,
-        hidden_token_ids=stray_think_markers(engine.tokenizer, prompt.thinking),
+        hidden_token_ids=stray_think_markers(engine.tokenizer, prompt.thinking), grammar=grammar,
     )
     v.check_fits(len(input_ids), max_tokens, engine.max_context, "messages", tokens_param)
     reply = _ChatReply(

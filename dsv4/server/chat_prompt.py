@@ -27,6 +27,7 @@ class ChatPrompt:
     text: str  # the prompt, including any forced start of the completion
     thinking: bool
     tool_names: list[str]  # what the parser accepts; empty: any call is an error
+    tools: list[dict]  # the tools shown (OpenAI tool dicts)
     forced_start: str  # completion text the prompt already holds; fed to the parser first
 
 
@@ -46,7 +47,7 @@ def build_chat_prompt(body: v.ChatCompletionBody) -> ChatPrompt:
         raise v.too_deep() from None
     forced = _forced_start(body.tool_choice, tools, thinking)
     names = [tool["function"]["name"] for tool in tools]
-    return ChatPrompt(text=text + forced, thinking=thinking, tool_names=names, forced_start=forced)
+    return ChatPrompt(text=text + forced, thinking=thinking, tool_names=names, tools=tools, forced_start=forced)
 
 
 def _check_tool_turns(messages: list[v.ChatMessage]) -> None:

@@ -8,6 +8,7 @@ from aiohttp import web
 
 from dsv4.protocol import RequestOutput
 from dsv4.server import validation as v
+from dsv4.server.constraints import completion_grammar
 from dsv4.server.errors import bad_request
 from dsv4.server.ops import json_response
 from dsv4.server.state import ARGS, ENGINE, REQUEST_ID
@@ -35,7 +36,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     v.check_prompt_ids(input_ids, engine.model_config.vocab_size, "prompt")
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     sampling = v.make_sampling(body, max_new_tokens=max_tokens, tokens_param="max_tokens",
-                               vocab_size=engine.model_config.vocab_size)
+                               vocab_size=engine.model_config.vocab_size,
+                               grammar=await completion_grammar(body.response_format))
     v.check_fits(len(input_ids), max_tokens, engine.max_context, "prompt", "max_tokens")
     chunk = _ChunkBuilder(f"cmpl-{request[REQUEST_ID]}", engine.model_name, len(input_ids))
     async with choices(request, input_ids, sampling, "prompt", body.n) as chosen:

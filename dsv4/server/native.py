@@ -8,6 +8,7 @@ from aiohttp import web
 
 from dsv4.protocol import RequestOutput
 from dsv4.server import validation as v
+from dsv4.server.constraints import native_grammar
 from dsv4.server.errors import bad_request
 from dsv4.server.ops import json_response
 from dsv4.server.state import ARGS, ENGINE, REQUEST_ID
@@ -28,7 +29,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     params = body.sampling_params
     tokens_param = "sampling_params.max_new_tokens"
     sampling = v.make_sampling(params, max_new_tokens=params.max_new_tokens, tokens_param=tokens_param,
-                               vocab_size=engine.model_config.vocab_size, field_prefix="sampling_params.")
+                               vocab_size=engine.model_config.vocab_size, field_prefix="sampling_params.",
+                               grammar=await native_grammar(params))
     v.check_fits(len(input_ids), params.max_new_tokens, engine.max_context, prompt_param, tokens_param)
     result = _ResultBuilder(request[REQUEST_ID], len(input_ids))
     async with choices(request, input_ids, sampling, prompt_param) as chosen:

@@ -149,6 +149,7 @@ class CompletionBody(OpenAISampling, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     best_of: Count | None = None
+    response_format: ResponseFormat | None = None
 
 
 class NativeSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -167,6 +168,8 @@ class NativeSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     repetition_penalty: RepetitionPenalty = 1.0
     min_p: Probability = 0.0
     logit_bias: dict[str, LogitBias] | None = None
+    json_schema: str | None = None  # constrained decoding, as SGLang: a JSON schema serialised as a string
+    regex: str | None = None
 
 
 class GenerateBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -310,6 +313,7 @@ def make_sampling(
     vocab_size: int,
     field_prefix: str = "",
     hidden_token_ids: tuple[int, ...] = (),
+    grammar: str | None = None,
 ) -> SamplingParams:
     """The engine's sampling parameters from a body's sampling fields (the OpenAI routes and the
     native `sampling_params` share their names); `field_prefix` names where those fields sit in the
@@ -341,6 +345,7 @@ def make_sampling(
         repetition_penalty=1.0 if fields.repetition_penalty is None else fields.repetition_penalty,
         min_p=fields.min_p or 0.0,
         logit_bias=_logit_bias(fields.logit_bias, vocab_size, f + "logit_bias"),
+        grammar=grammar,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import pytest_asyncio
 from conftest import wait_until
 
 from dsv4.config import ServerArgs
+from dsv4.engine import grammar
 from dsv4.engine.engine import Engine
 from dsv4.engine.launch import load_model
 from dsv4.engine.pd import PdEngine
@@ -199,3 +201,16 @@ async def test_memory_pressure_on_the_decode_side_serves_every_request_unchanged
                      "both sides to release everything", explain=lambda: (held(decode), held(prefill)))
     assert decode.ready() == (True, []) and prefill.ready() == (True, [])
     print(f"PD under pressure: {seconds:.1f} s, {preemptions:.0f} preemptions")
+
+
+async def test_a_grammar_holds_across_the_transfer(make_pd):
+    """The prefill side samples the first token under the request's grammar (it travels in
+    SamplingParams); the decode side's matcher starts past that token."""
+    _, decode = await make_pd()
+    pattern = "(alpha|beta) [0-9]{3}"
+    for seed in range(4):
+        req = request(f"pd-grammar-{seed}", 40, max_new_tokens=24, temperature=0.9, seed=seed, ignore_eos=False,
+                      grammar=grammar.from_regex(pattern))
+        outputs = await outputs_of(decode.submit(req))
+        assert outputs[-1].finish_reason == "stop", outputs[-1]
+        assert re.fullmatch(pattern, "".join(o.text for o in outputs)), outputs

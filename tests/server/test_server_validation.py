@@ -106,8 +106,22 @@ BAD_BODIES = [
     (CHAT, {"messages": HELLO, "min_tokens": 3}, 400, "min_tokens", "unknown_parameter"),
     (COMPLETIONS, {"prompt": "hi", "functions": []}, 400, "functions", "unknown_parameter"),
     (GENERATE, {"text": "hi", "return_hidden_states": True}, 400, "return_hidden_states", "unknown_parameter"),
-    (GENERATE, {"text": "hi", "sampling_params": {"json_schema": "{}"}}, 400, "sampling_params.json_schema",
+    (GENERATE, {"text": "hi", "sampling_params": {"ebnf": "root ::= x"}}, 400, "sampling_params.ebnf",
      "unknown_parameter"),
+    # A schema or pattern that cannot constrain the output is named before anything runs.
+    (CHAT, {"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, 400,
+     "response_format.json_schema.schema", "invalid_schema"),
+    (CHAT, {"messages": HELLO, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "g", "parameters": {
+            "type": "object", "properties": {"p": {"type": "string", "pattern": "("}}}}}]}, 400,
+     "tools[1].function.parameters", "invalid_schema"),
+    (COMPLETIONS, {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "integer", "minimum": "zero"}}}}, 400, "response_format.json_schema.schema",
+     "invalid_schema"),
+    (GENERATE, {"text": "hi", "sampling_params": {"json_schema": "[1, 2"}}, 400, "sampling_params.json_schema", None),
+    (GENERATE, {"text": "hi", "sampling_params": {"regex": "(ab"}}, 400, "sampling_params.regex", "invalid_schema"),
     # Chat structure: a tool result answers a call made just before it; call arguments are JSON.
     (CHAT, {"messages": [*HELLO, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, 400,
      "messages[1].role", None),

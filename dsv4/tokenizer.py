@@ -117,6 +117,10 @@ class Tokenizer:
         """The bytes one generated id adds to the output text (none for special or unknown ids)."""
         return self._streamed[token_id] if 0 <= token_id < self.vocab_size else b""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for (special tokens included; none for ids outside the vocabulary)."""
+        return self._full[token_id] if 0 <= token_id < self.vocab_size else b""
+
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         """Text of `ids`. With `skip_special`, special tokens (BOS, EOS, role and task markers) are
         dropped, while `<think>`, `</think>` and `｜DSML｜` stay. Ids outside the vocabulary (the

@@ -4,7 +4,8 @@ raw logits, before sampling processors and temperature).
 - chat (OpenAI): `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`
 - completions (OpenAI legacy): `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`;
   the first prompt token (echo) has null logprobs; each top dict also holds the chosen token, as
-  vLLM's does, so it may have one entry more than asked.
+  vLLM's does, so it may have one entry more than asked; tokens whose texts are equal share one key
+  (the most likely one's value).
 - native (SGLang): `[logprob, token_id, text or null]` tuples, and lists of them for the top ones.
 
 A token's text is its bytes decoded as UTF-8 (a token that ends inside a character shows U+FFFD;
@@ -74,7 +75,9 @@ class CompletionLogprobs:
             self.top_logprobs.append(None)
             return
         self.token_logprobs.append(_value(entry.logprob))
-        top = {self._text.text(t): _value(lp) for t, lp in entry.top}
+        top: dict[str, float] = {}
+        for t, lp in entry.top:  # tokens with the same text share a key: the most likely one's
+            top.setdefault(self._text.text(t), _value(lp))
         top.setdefault(token, _value(entry.logprob))
         self.top_logprobs.append(top)
 

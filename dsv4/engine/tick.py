@@ -350,7 +350,7 @@ class Ticker:
             indexer_check = self.runner.indexer_check if self._verify_indexer != "off" else None
             tokens = _sample_isolated(logits, params, positions, histories)
             sampled = Sampled(tokens, _sampled_logprobs(logits, tokens, params),
-                              _prompt_logprobs(self.runner.prompt_logits, jobs))
+                              _prompt_logprobs(self.runner.prompt_logits, jobs) if jobs else {})
             return sampled, indexer_check, landed
 
     # -- delivery (event loop) --------------------------------------------------------------------------

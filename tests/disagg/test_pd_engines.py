@@ -204,7 +204,7 @@ async def test_memory_pressure_on_the_decode_side_serves_every_request_unchanged
 async def test_logprobs_cross_from_prefill_to_decode_as_colocated(make_pd, tiny_ckpt):
     """The first token's logprobs (sampled on the prefill side) and the prompt's (computed across
     its prefill chunks) travel in the Commit: the decode side returns what one colocated engine does."""
-    prefill, decode = await make_pd()
+    _, decode = await make_pd()
     colocated, _ = engine_of(tiny_ckpt)
     await colocated.start()
     try:

@@ -35,11 +35,23 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # Grammar-constrained decoding: llguidance's serialised grammar of the whole completion (compiled
     # and validated by the server; dsv4/engine/grammar.py), or None.
     grammar: str | None = None
+    # Logprobs, taken from the raw logits (before every processor and temperature, vLLM's default):
+    # `logprobs` alternatives per generated token (None: no logprobs, 0: the token's own only);
+    # `prompt_logprobs` per prompt token from position `prompt_logprobs_start` on (None: none).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
 
     @property
     def greedy(self) -> bool:
         # Below vLLM's sampling epsilon a temperature only turns logits into infinities.
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def prompt_logits_from(self) -> int | None:
+        """The first prompt position whose logits a request needs beside its last one (the logits at
+        position p give the logprob of the token at p + 1), or None."""
+        return None if self.prompt_logprobs is None else max(self.prompt_logprobs_start - 1, 0)
 
     @property
     def needs_history(self) -> bool:
@@ -65,6 +77,14 @@ class ForwardChunk(msgspec.Struct, frozen=True, kw_only=True):
     page_ids: tuple[int, ...]
     page_generations: tuple[int, ...]
     sample: bool
+    prompt_logits_from: int | None = None
+
+    def prompt_logit_positions(self) -> range:
+        """The positions whose logits are returned besides the sampled last one, in order."""
+        if self.prompt_logits_from is None:
+            return range(0)
+        end = self.start_pos + len(self.token_ids) - (1 if self.sample else 0)
+        return range(max(self.start_pos, self.prompt_logits_from), end)
 
 
 class SlotCopy(msgspec.Struct, frozen=True, array_like=True):
@@ -133,6 +153,15 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     deadline: float | None = None  # time.monotonic() seconds; the request fails when it passes
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """A token's log-probability under the raw logits (fp32 log_softmax over the whole vocabulary),
+    and the `top` most likely tokens there as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     """One increment of a request's output, delivered through the request's own queue.
 
@@ -153,6 +182,10 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True):
     completion_tokens: int = 0
     error_status: int = 500
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI prompt_tokens_details)
+    # Asked for: one per token of `token_ids`; and, on the first output that carries a token, one per
+    # prompt position from `prompt_logprobs_start` on (None for position 0, which has no logprob).
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 # == disaggregation (prefill/decode transfer frames; owner: dsv4/disagg) =========================
@@ -270,6 +303,9 @@ class Commit(_Frame, tag="commit"):
     prompt_checksum: int  # CRC-32 of the prompt ids the sender computed (int64 little-endian)
     page_checksums: tuple[int, ...] | None = None  # verify mode: CRC-32 of each source page
     slot_checksum: int | None = None
+    # When the request asked for them: the first token's logprob, and its prompt logprobs.
+    first_logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class Abort(_Frame, tag="abort"):

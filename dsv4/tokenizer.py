@@ -102,10 +102,6 @@ class Tokenizer:
         """Ids of the added tokens: BOS, EOS, role, task, think and DSML markers."""
         return frozenset(self.inner.get_added_tokens_decoder())
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes `token_id` stands for (none outside the tokenizer's vocabulary)."""
-        return self._full[token_id] if 0 <= token_id < self.vocab_size else b""
-
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in the text become their single ids."""
         ids = self.inner.encode(text, add_special_tokens=False).ids
@@ -125,6 +121,10 @@ class Tokenizer:
     def stream_bytes(self, token_id: int) -> bytes:
         """The bytes one generated id adds to the output text (none for special or unknown ids)."""
         return self._streamed[token_id] if 0 <= token_id < self.vocab_size else b""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for (special tokens included; none for ids outside the vocabulary)."""
+        return self._full[token_id] if 0 <= token_id < self.vocab_size else b""
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         """Text of `ids`. With `skip_special`, special tokens (BOS, EOS, role and task markers) are

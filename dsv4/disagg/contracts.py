@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from dsv4.memory.allocator import Handle
-from dsv4.protocol import Capabilities, GenerationRequest, PrefillLimits, RequestOutput, SamplingParams
+from dsv4.protocol import Capabilities, GenerationRequest, PrefillLimits, RequestOutput, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ class ExportedState:
     slot: np.ndarray  # uint8 [slot_bytes]
     page_checksums: list[int]
     slot_checksum: int
+    # When the request asked for them: the first token's logprob and the prompt's logprobs.
+    first_logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class RequestFailed(Exception):
@@ -84,6 +87,8 @@ class DecodeTarget(Protocol):
         """Copies `rid`'s received state into the pools (of every rank); returns the checksums of what
         landed there. Raises RequestFailed when it did not land (the transfer fails, not the instance)."""
 
-    def admit(self, req: GenerationRequest, pages: list[Handle], slot: Handle,
-              first_token: int) -> AsyncIterator[RequestOutput]:
-        """Hands the request (and the handles) to the decode batch."""
+    def admit(self, req: GenerationRequest, pages: list[Handle], slot: Handle, first_token: int,
+              first_logprob: TokenLogprob | None = None,
+              prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None) -> AsyncIterator[RequestOutput]:
+        """Hands the request (and the handles) to the decode batch, with the first token the prefill
+        side sampled and, when the request asked, its logprobs."""

@@ -363,7 +363,7 @@ class RemotePrefill:
             if isinstance(event, PayloadHeader):
                 self._on_header(t, event)
         self._release_staging(t)
-        outputs = self.target.admit(t.req, t.pages, t.slot, c.first_token)
+        outputs = self.target.admit(t.req, t.pages, t.slot, c.first_token, c.first_logprob, c.prompt_logprobs)
         t.lease = "released"  # to the engine, which owns the pages and slot from now on
         t.enter(DecodeState.DONE)
         self.metrics.transfers.labels("done").inc()

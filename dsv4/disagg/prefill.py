@@ -253,6 +253,8 @@ class PrefillServer:
                 prompt_checksum=prompt_checksum(req.prompt_ids),
                 page_checksums=tuple(state.page_checksums) if req.verify else None,
                 slot_checksum=state.slot_checksum if req.verify else None,
+                first_logprob=state.first_logprob,
+                prompt_logprobs=state.prompt_logprobs,
             )
             if await room.link.send(commit) and room.failure is None:
                 room.enter(PrefillState.COMMITTED)

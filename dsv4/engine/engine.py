@@ -29,7 +29,7 @@ from dsv4.engine.install import InstallFailed, PendingInstall
 from dsv4.engine.metrics import EngineMetrics
 from dsv4.engine.request import AdmissionError, Request
 from dsv4.engine.scheduler import Scheduler
-from dsv4.engine.tick import Ticker
+from dsv4.engine.tick import Adopted, Ticker
 from dsv4.memory.allocator import Handle, PageSlotAllocator
 from dsv4.protocol import GenerationRequest, RequestOutput, StateInstall
 from dsv4.tokenizer import IncrementalDetokenizer
@@ -217,9 +217,10 @@ class Engine:
 
     # -- PD decode (dsv4/engine/pd.py; docs/PD_ENGINE_HOOKS.md) ----------------------------------------
     def submit_transferred(self, req: GenerationRequest, *, pages: list[Handle], slot: Handle,
-                           first_token: int) -> AsyncIterator[RequestOutput]:
+                           first: Adopted) -> AsyncIterator[RequestOutput]:
         """A request whose prompt state was transferred into `pages`/`slot` (held under its rid; the
-        engine owns them from now on) joins the decode batch at the next tick boundary."""
+        engine owns them from now on) joins the decode batch at the next tick boundary, with the
+        first token (and its logprobs) sampled on the prefill side."""
         now = self._clock()
         deadline = req.deadline if req.deadline is not None else now + self.args.request_timeout
         request = Request(rid=req.rid, prompt_ids=tuple(req.input_ids), sampling=req.sampling, arrival=now,
@@ -235,7 +236,7 @@ class Engine:
         else:
             if not self._has_work():
                 self._progress_at = now
-            self._ticker.inbox.put_adopted(request, first_token)
+            self._ticker.inbox.put_adopted(request, first)
         return self._outputs(request, queue)
 
     async def install(self, rid: str, pages: list[Handle], slot: Handle, page_data: list[np.ndarray],

@@ -8,6 +8,7 @@ or the decode side (requests prefilled remotely, then decoded here). The server 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import math
@@ -24,6 +25,7 @@ from dsv4.disagg.prefill import PrefillServer
 from dsv4.engine.engine import Engine
 from dsv4.engine.install import InstallFailed
 from dsv4.engine.request import AdmissionError, Request
+from dsv4.engine.tick import Adopted
 from dsv4.protocol import PD_PROTOCOL_VERSION, Capabilities, GenerationRequest, PrefillLimits, StateRegion
 
 
@@ -75,11 +77,15 @@ class EnginePrefillSource:
             outputs = self.engine.submit(request, export_state=export)
         except AdmissionError as e:  # the prompt is the cause: the client gets a 400
             raise RequestFailed(str(e), 400) from None
+        first_logprob, prompt_logprobs = None, None
         async for out in outputs:
             if out.finished and not exported.done():
                 raise RequestFailed(out.error or f"the prompt ended without state ({out.finish_reason})",
                                     out.error_status)
-        return exported.result()
+            if out.token_ids:  # the one token: its logprobs travel to the decode side in the Commit
+                first_logprob = out.logprobs[0] if out.logprobs else None
+                prompt_logprobs = out.prompt_logprobs
+        return dataclasses.replace(exported.result(), first_logprob=first_logprob, prompt_logprobs=prompt_logprobs)
 
     def ready(self) -> tuple[bool, list[str]]:
         return self.engine.ready()
@@ -120,9 +126,10 @@ class EngineDecodeTarget:
         except InstallFailed as e:
             raise RequestFailed(str(e)) from None
 
-    def admit(self, req, pages, slot, first_token):
+    def admit(self, req, pages, slot, first_token, first_logprob=None, prompt_logprobs=None):
         self._holding.pop(req.rid, None)  # the scheduler counts it from its adoption on
-        return self.engine.submit_transferred(req, pages=pages, slot=slot, first_token=first_token)
+        return self.engine.submit_transferred(req, pages=pages, slot=slot,
+                                              first=Adopted(first_token, first_logprob, prompt_logprobs))
 
 
 class _Registries:

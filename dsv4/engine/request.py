@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from dsv4.cache.radix import CacheNode
 from dsv4.memory.allocator import Handle
-from dsv4.protocol import SamplingParams
+from dsv4.protocol import SamplingParams, TokenLogprob
 
 
 class AdmissionError(ValueError):
@@ -50,6 +50,10 @@ class Request:
     # PD prefill (dsv4/engine/pd.py): called at the tick boundary right after the first token was
     # sampled, before the request's pages and slot are released, to copy its state out.
     export_state: Callable[[Request], None] | None = None
+    # Logprobs (when asked): the prompt's, gathered chunk by chunk until the first token delivers
+    # them (from position max(prompt_logprobs_start, 1) on), and the last sampled token's.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    last_logprob: TokenLogprob | None = None
     # --verify-indexer: this request's failed indexer selections, and where the last one was.
     indexer_mismatches: int = 0
     last_indexer_mismatch: str | None = None  # "layer L position P"
@@ -63,6 +67,14 @@ class Request:
         """Rows are missing before the last token: a prompt, or after a retraction the prompt and
         generated tokens, still being computed. A decode feeds only its last token."""
         return self.num_computed < self.num_tokens - 1
+
+    def delivered_prompt_logprobs(self) -> tuple[TokenLogprob | None, ...] | None:
+        """What the first output carries: one per prompt position from prompt_logprobs_start on,
+        None for position 0 (no token precedes it)."""
+        if self.sampling.prompt_logprobs is None:
+            return None
+        head = (None,) if self.sampling.prompt_logprobs_start == 0 else ()
+        return (*head, *self.prompt_logprobs)
 
     @property
     def waiting_since(self) -> float:

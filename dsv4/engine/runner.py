@@ -5,7 +5,9 @@ tables that cover the chunk, and every page and slot generation bound through th
 one raises `StaleReference`). A chunk with start_pos == 0 starts its slot empty; nothing else
 resets a slot, so a slot needs no release.
 
-Pools and weights live on `--device`; logits come back on the CPU. With `--verify-indexer`, every
+Pools and weights live on `--device`; the sampled logits come back on the CPU. The logits of
+prompt positions (chunks with `prompt_logits_from`, for prompt logprobs) stay on the device, as
+`prompt_logits`, for the tick to reduce to logprobs there. With `--verify-indexer`, every
 `--verify-indexer-every` ticks the forward's indexer selections are checked against the reference
 (`dsv4.engine.indexer_check`; with `full`, from queries the reference recomputes); the result is
 `indexer_check`, beside the logits.
@@ -62,12 +64,14 @@ class ModelRunner:
         self.index_query_oracle = (IndexQueryOracle(cfg, weights, self.dtype, self.device)
                                    if args.verify_indexer == "full" else None)
         self.indexer_check: IndexerVerifier | None = None  # of the last forward, when it was verified
+        # Of the last forward: [rows of every chunk's prompt_logit_positions, vocab] on the device.
+        self.prompt_logits: torch.Tensor | None = None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs every chunk (prefill chunks and decode tokens mixed), writes their rows into the
         pools, returns float32 logits [number of chunks with sample=True, vocab] in chunk order."""
         self._check(batch)
-        self.indexer_check = None
+        self.indexer_check = self.prompt_logits = None
         self._copy_slots(batch.restores)
         logits = self._forward(batch)
         self._copy_slots(batch.snapshots)
@@ -79,12 +83,15 @@ class ModelRunner:
         plan = build_plan(self.cfg, batch, self.page_size)
         if self.device.type != "cpu":
             plan = plan.to(self.device)
-        if not (self.verify_indexer and batch.tick % self.verify_indexer_every == 0):
-            return self.model.forward(plan).cpu()
-        verifier = IndexerVerifier(plan, self.pools, self.cfg.index_topk, self.index_query_oracle)
-        logits = self.model.forward(plan, verifier).cpu()
+        verifier = None
+        if self.verify_indexer and batch.tick % self.verify_indexer_every == 0:
+            verifier = IndexerVerifier(plan, self.pools, self.cfg.index_topk, self.index_query_oracle)
+        logits = self.model.forward(plan, verifier)
         self.indexer_check = verifier
-        return logits
+        sampled = len(plan.sample_tokens)
+        if len(plan.prompt_tokens):
+            self.prompt_logits = logits[sampled:]
+        return logits[:sampled].cpu()
 
     def begin_tenancies(self, page_handouts, slot_handouts) -> None:
         """A plan's allocator handouts, before its installs and forward name them."""

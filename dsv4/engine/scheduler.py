@@ -37,7 +37,9 @@ become a node that the request itself holds. A prefill chunk of a request that i
 at the next page boundary, so that every page gets its snapshot. Admission matches the longest
 cached prefix of whole pages, leaving at least the last token to compute (its logits are sampled),
 shares those pages and restores its slot from the last one's snapshot before the forward
-(`ForwardBatch.restores`); its first chunk starts at that page boundary. No chunk writes a row of a
+(`ForwardBatch.restores`); its first chunk starts at that page boundary. A request that asked for
+prompt logprobs matches only pages before the first position whose logits it needs (a cached page
+has no logits), and its chunks name the positions whose logits come back (`prompt_logits_from`). No chunk writes a row of a
 position before its start_pos, and every compressed row lives in the page of its window's first
 token, so a shared page is never written. Unreferenced cached pages count as free for admission
 and retraction, and are evicted (LRU) when pages are taken.
@@ -52,6 +54,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable
+
+import msgspec
 
 from dsv4.cache.radix import CacheNode, RadixCache
 from dsv4.engine.request import AdmissionError, Request, RequestState
@@ -321,8 +325,12 @@ class Scheduler:
     def _match(self, req: Request) -> list[CacheNode]:
         if self.cache is None:
             return []
-        # The last token is always computed: its logits give the next token.
-        return self.cache.match((*req.prompt_ids, *req.output_ids), (req.num_tokens - 1) // self.page_size)
+        # The last token is always computed: its logits give the next token. A cached page has no
+        # logits: a request that wants prompt logprobs takes no page holding a position it needs.
+        computed_from = req.num_tokens - 1
+        if not req.output_ids and req.sampling.prompt_logits_from is not None:
+            computed_from = min(computed_from, req.sampling.prompt_logits_from)
+        return self.cache.match((*req.prompt_ids, *req.output_ids), computed_from // self.page_size)
 
     def _caching(self, req: Request) -> bool:
         """Every full page before `req`'s next chunk is a cached node it holds: its next page can join."""
@@ -368,7 +376,7 @@ class Scheduler:
             req.last_event = f"decode@{start}"
         else:
             req.last_event = f"{'recompute' if req.retractions else 'prefill'} {start}..{start + n}"
-        return ForwardChunk(
+        chunk = ForwardChunk(
             rid=req.rid,
             slot=req.slot.id,
             slot_generation=req.slot.generation,
@@ -377,7 +385,12 @@ class Scheduler:
             page_ids=tuple(h.id for h in req.pages),
             page_generations=tuple(h.generation for h in req.pages),
             sample=req.num_computed == req.num_tokens,  # the last chunk of a prefill or recompute, or a decode
+            # Prompt logprobs are delivered with the first token: a recompute after it needs none.
+            prompt_logits_from=None if req.output_ids else req.sampling.prompt_logits_from,
         )
+        if chunk.prompt_logits_from is not None and not chunk.prompt_logit_positions():
+            chunk = msgspec.structs.replace(chunk, prompt_logits_from=None)
+        return chunk
 
     def _free_resources(self, req: Request) -> None:
         if req.cached:

@@ -15,6 +15,10 @@ Everything but the forward and sampling runs on the event loop thread, which is 
 touches scheduler state; so aborts and deadlines take effect at tick boundaries by construction,
 and the loop stays free to answer /health while a forward runs.
 
+Logprobs (dsv4/engine/logprobs.py) are computed in the forward thread beside sampling, from the
+same raw logits, only for the rows whose request asked; prompt logprobs from the runner's
+`prompt_logits`, gathered on the request chunk by chunk and delivered with its first token.
+
 A request's error stays the request's (ARCHITECTURE.md invariant 5): whatever goes wrong while
 admitting one request, sampling its token, checking its stops, detokenising or delivering its
 output ends that request alone with the cause (counted in dsv4_request_errors_total{stage}); the
@@ -33,6 +37,7 @@ import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -43,12 +48,13 @@ from dsv4.dist.collectives import TpGroup
 from dsv4.engine.grammar import Constraints, GrammarError
 from dsv4.engine.indexer_check import IndexerVerifier
 from dsv4.engine.install import MAX_INSTALLS_PER_TICK, InstallFailed, PendingInstall, receive_installs
+from dsv4.engine.logprobs import PromptLogprobJob, prompt_jobs, prompt_logprobs, token_logprobs
 from dsv4.engine.metrics import EngineMetrics
 from dsv4.engine.output import TextStream
 from dsv4.engine.request import AdmissionError, Request
 from dsv4.engine.sampling import History, sample, stop_reason
 from dsv4.engine.scheduler import Scheduler
-from dsv4.protocol import RequestOutput, SamplingParams, TickPlan
+from dsv4.protocol import RequestOutput, SamplingParams, TickPlan, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +101,7 @@ class Inbox:
     def __init__(self) -> None:
         self.requests: list[Request] = []
         self.aborts: dict[str, str] = {}  # rid -> reason; the first reason wins
-        self.adopted: list[tuple[Request, int]] = []  # PD decode: (request, its first token)
+        self.adopted: list[tuple[Request, Adopted]] = []  # PD decode: (request, its first token)
         self.installs: list[PendingInstall] = []  # PD decode: received states for the pools of every rank
         self._wakeup = asyncio.Event()
 
@@ -107,8 +113,8 @@ class Inbox:
         self.aborts.setdefault(rid, reason)
         self._wakeup.set()
 
-    def put_adopted(self, req: Request, first_token: int) -> None:
-        self.adopted.append((req, first_token))
+    def put_adopted(self, req: Request, first: Adopted) -> None:
+        self.adopted.append((req, first))
         self._wakeup.set()
 
     def put_install(self, pending: PendingInstall) -> None:
@@ -124,7 +130,7 @@ class Inbox:
         self._wakeup.clear()
         return taken
 
-    def take_adopted(self) -> list[tuple[Request, int]]:
+    def take_adopted(self) -> list[tuple[Request, Adopted]]:
         taken, self.adopted = self.adopted, []
         return taken
 
@@ -139,6 +145,27 @@ class Inbox:
                 await self._wakeup.wait()
         except TimeoutError:
             pass
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """PD decode: what the prefill side sampled (and, when asked, its logprobs)."""
+
+    token: int
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+
+@dataclass
+class Sampled:
+    """What the forward thread hands back for one tick: per sampled chunk, its token (or the
+    Exception that failed it) and its logprob when asked; per request, the prompt logprobs its
+    chunks returned (or the Exception)."""
+
+    tokens: list[int | Exception]
+    logprobs: list[TokenLogprob | Exception | None]
+    prompt_logprobs: dict[str, list[TokenLogprob] | Exception]
+    grammar_ended: set[str]  # requests whose grammar ended with this tick's token
 
 
 class _Decoding:
@@ -189,8 +216,8 @@ class Ticker:
         new, aborts = self.inbox.take()
         for req in new:
             self._guarded(req, "admit", started, self._admit, req)
-        for req, first_token in self.inbox.take_adopted():
-            self._guarded(req, "adopt", started, self._adopt, req, first_token, started)
+        for req, first in self.inbox.take_adopted():
+            self._guarded(req, "adopt", started, self._adopt, req, first, started)
         for rid, reason in aborts.items():
             req = self.scheduler.abort(rid, reason)
             if req is not None:
@@ -212,10 +239,10 @@ class Ticker:
             # every rank applies every plan that changes anything
             landed = [False] * len(installs)  # unless the tick completes
             try:
-                tokens, indexer_check, landed, ended = await self._forward_and_sample(plan, installs)
+                sampled, indexer_check, landed = await self._forward_and_sample(plan, installs)
             finally:
                 self._settle_installs(installs, landed, f"it did not land on every rank in tick {plan.seq}")
-            self._postprocess(plan, tokens, indexer_check, ended, self._clock())
+            self._postprocess(plan, sampled, indexer_check, self._clock())
         self._metrics.ticks.inc()
         self._metrics.tick_duration.observe(self._clock() - started)
         self._metrics.observe_capacity(
@@ -245,18 +272,19 @@ class Ticker:
             raise GrammarError("this engine does not constrain decoding")
         return self._constraints
 
-    def _adopt(self, req: Request, first_token: int, now: float) -> None:
+    def _adopt(self, req: Request, first: Adopted, now: float) -> None:
         """PD decode: the request arrives with its prompt computed elsewhere and its first token
-        sampled there; that token is delivered (and checked for stop) as if sampled here."""
+        sampled there; that token (with its logprobs) is delivered, and checked for stop, as if
+        sampled here."""
         self.scheduler.adopt(req)
         self._decoding[req.rid] = _Decoding(req, self._new_detokenizer())
         if req.sampling.grammar is not None:  # the prefill side sampled the first token under it
-            self._grammars().add(req.rid, req.sampling.grammar, consumed=(first_token,))
-        req.output_ids.append(first_token)
+            self._grammars().add(req.rid, req.sampling.grammar, consumed=(first.token,))
+        req.output_ids.append(first.token)
         req.first_token_at = req.last_token_at = now
         self._metrics.generation_tokens.inc()
         self._metrics.time_to_first_token.observe(now - req.arrival)
-        self._deliver_token(req, first_token)
+        self._deliver_token(req, first.token, first.logprob, first.prompt_logprobs)
 
     @staticmethod
     def _settle_installs(installs: list[PendingInstall], landed: list[bool], why: str) -> None:
@@ -289,7 +317,7 @@ class Ticker:
 
     # -- forward and sample (worker thread) --------------------------------------------------------
     async def _forward_and_sample(self, plan: TickPlan, installs: list[PendingInstall]
-                                  ) -> tuple[list[int | Exception], IndexerVerifier | None, list[bool], set[str]]:
+                                  ) -> tuple[Sampled, IndexerVerifier | None, list[bool]]:
         sampled = [self.scheduler.get(c.rid) for c in plan.batch.chunks if c.sample]
         constrained = [(row, r.rid) for row, r in enumerate(sampled) if r.rid in (self._constraints or ())]
         # The masks are computed on the grammar thread while the forward runs.
@@ -297,9 +325,12 @@ class Ticker:
         params = [r.sampling for r in sampled]
         positions = [r.num_tokens for r in sampled]  # where each sampled token will stand
         histories = [(r.prompt_ids, tuple(r.output_ids)) if r.sampling.needs_history else None for r in sampled]
+        asking = {c.rid: self.scheduler.get(c.rid) for c in plan.batch.chunks if c.prompt_logits_from is not None}
+        jobs = prompt_jobs(plan.batch.chunks, {rid: r.prompt_ids for rid, r in asking.items()},
+                           {rid: r.sampling.prompt_logprobs for rid, r in asking.items()})
         data = [p.data for p in installs] if installs else None
         work = asyncio.get_running_loop().run_in_executor(self._executor, self._run, plan, params, positions,
-                                                          histories, data, constrained, masks)
+                                                          histories, jobs, data, constrained, masks)
         try:
             async with asyncio.timeout(self._forward_deadline):
                 return await work
@@ -309,11 +340,11 @@ class Ticker:
             ) from None
 
     def _run(self, plan: TickPlan, params: list[SamplingParams], positions: list[int], histories: list[History | None],
-             install_data: list[np.ndarray] | None, constrained: list[tuple[int, str]], masks
-             ) -> tuple[list[int | Exception], IndexerVerifier | None, list[bool], set[str]]:
-        """The sampled tokens, the runner's indexer check of this forward (None when not verified),
-        whether each of the plan's installs landed on every rank, and the requests whose grammar ended
-        with their token."""
+             jobs: list[PromptLogprobJob], install_data: list[np.ndarray] | None, constrained: list[tuple[int, str]],
+             masks) -> tuple[Sampled, IndexerVerifier | None, list[bool]]:
+        """The sampled tokens and logprobs (and the requests whose grammar ended), the runner's indexer
+        check of this forward (None when not verified), and whether each of the plan's installs landed
+        on every rank."""
         if plan.seq == self._faults.stall_at_tick:
             time.sleep(self._faults.stall_seconds)
         if plan.seq == self._faults.crash_at_tick:
@@ -339,12 +370,16 @@ class Ticker:
                 raise TickFailed(f"runner returned {logits.shape[0]} rows of logits for {len(params)} sampled chunks")
             indexer_check = self.runner.indexer_check if self._verify_indexer != "off" else None
             failed: dict[int, str] = {}
+            constrained_logits = logits
             if constrained:
                 bitmask, failed = masks.result()
-                logits = self._constraints.apply(logits, [row for row, _ in constrained], bitmask)
-            tokens = _sample_isolated(logits, params, positions, histories)
+                constrained_logits = self._constraints.apply(logits, [row for row, _ in constrained], bitmask)
+            tokens = _sample_isolated(constrained_logits, params, positions, histories)
             ended = self._advance_grammars(constrained, tokens, failed) if constrained else set()
-            return tokens, indexer_check, landed, ended
+            # Logprobs come from the raw logits: before the grammar's mask, as before every processor.
+            sampled = Sampled(tokens, _sampled_logprobs(logits, tokens, params),
+                              _prompt_logprobs(self.runner.prompt_logits, jobs) if jobs else {}, ended)
+            return sampled, indexer_check, landed
 
     def _advance_grammars(self, constrained: list[tuple[int, str]], tokens: list[int | Exception],
                           failed: dict[int, str]) -> set[str]:
@@ -363,22 +398,27 @@ class Ticker:
         return ended
 
     # -- delivery (event loop) --------------------------------------------------------------------------
-    def _postprocess(self, plan: TickPlan, tokens: list[int | Exception], indexer_check: IndexerVerifier | None,
-                     ended: set[str], now: float) -> None:
+    def _postprocess(self, plan: TickPlan, sampled: Sampled, indexer_check: IndexerVerifier | None,
+                     now: float) -> None:
         failed = self._take_indexer_check(indexer_check) if indexer_check is not None else {}
-        sampled = iter(tokens)
+        outcomes = iter(zip(sampled.tokens, sampled.logprobs, strict=True))
         for chunk in plan.batch.chunks:
             req = self.scheduler.get(chunk.rid)
-            token = next(sampled) if chunk.sample else None
+            token, logprob = next(outcomes) if chunk.sample else (None, None)
+            prompt = sampled.prompt_logprobs.get(chunk.rid, [])
             if chunk.rid in failed:
                 self.scheduler.abort(chunk.rid, failed[chunk.rid], finish_reason="error")
                 self._end(req, now)
-            elif isinstance(token, Exception):
-                self._fail_request(req, "sample", token, now)
-            elif token is not None:
-                self._guarded(req, "deliver", now, self._accept, req, token, now, chunk.rid in ended)
+            elif isinstance(token, Exception) or isinstance(logprob, Exception) or isinstance(prompt, Exception):
+                error = next(e for e in (token, logprob, prompt) if isinstance(e, Exception))
+                self._fail_request(req, "sample", error, now)
+            else:
+                req.prompt_logprobs += prompt
+                if token is not None:
+                    self._guarded(req, "deliver", now, self._accept, req, token, logprob, now,
+                                  chunk.rid in sampled.grammar_ended)
 
-    def _accept(self, req: Request, token: int, now: float, grammar_ended: bool) -> None:
+    def _accept(self, req: Request, token: int, logprob: TokenLogprob | None, now: float, grammar_ended: bool) -> None:
         """Records one sampled token and delivers it."""
         metrics = self._metrics
         req.output_ids.append(token)
@@ -390,7 +430,8 @@ class Ticker:
         else:
             metrics.inter_token_latency.observe(now - req.last_token_at)
         req.last_token_at = now
-        self._deliver_token(req, token, grammar_ended)
+        first = len(req.output_ids) == 1
+        self._deliver_token(req, token, logprob, req.delivered_prompt_logprobs() if first else None, grammar_ended)
 
     def _take_indexer_check(self, check: IndexerVerifier) -> dict[str, str]:
         """Counts, logs and records on each request a forward's indexer check; returns the requests
@@ -409,7 +450,11 @@ class Ticker:
                 failed.setdefault(mismatch.rid, f"indexer cross-check failed at {where}: {mismatch.detail}")
         return failed
 
-    def _deliver_token(self, req: Request, token: int, grammar_ended: bool = False) -> None:
+    def _deliver_token(self, req: Request, token: int, logprob: TokenLogprob | None,
+                       prompt_logprobs: tuple[TokenLogprob | None, ...] | None, grammar_ended: bool = False) -> None:
+        """Delivers `token` (with its logprob, and with the prompt's logprobs on the first token)."""
+        req.last_logprob = logprob
+        logprobs = () if logprob is None else (logprob,)
         text_stream = self._decoding[req.rid].text
         # A grammar that ended did so with an end of sentence, whatever ignore_eos says.
         reason = "stop" if grammar_ended else stop_reason(token, len(req.output_ids), req.sampling, self._eos_ids)
@@ -417,13 +462,13 @@ class Ticker:
         if text_stream.stopped:
             reason = "stop"
         if reason is None:
-            self._deliver(self._output(req, (token,), text))
+            self._deliver(self._output(req, (token,), text, logprobs, prompt_logprobs))
             return
         text += text_stream.finish()
         if req.export_state is not None:
             req.export_state(req)
         self.scheduler.finish(req, reason)
-        self._deliver(self._output(req, (token,), text))
+        self._deliver(self._output(req, (token,), text, logprobs, prompt_logprobs))
         self._forget(req, req.last_token_at)
 
     def _fail_request(self, req: Request, stage: str, error: Exception, now: float) -> None:
@@ -449,7 +494,8 @@ class Ticker:
         self._deliver(self._output(req, (), ""))
         self._forget(req, now)
 
-    def _output(self, req: Request, token_ids: tuple[int, ...], text: str) -> RequestOutput:
+    def _output(self, req: Request, token_ids: tuple[int, ...], text: str, logprobs: tuple[TokenLogprob, ...] = (),
+                prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None) -> RequestOutput:
         finished = req.finish_reason is not None
         return RequestOutput(
             rid=req.rid,
@@ -462,6 +508,8 @@ class Ticker:
             completion_tokens=len(req.output_ids),
             error_status=req.error_status,
             cached_tokens=req.cached_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _forget(self, req: Request, now: float) -> None:
@@ -487,3 +535,31 @@ def _sample_isolated(logits: torch.Tensor, params: list[SamplingParams], positio
         except Exception as e:  # noqa: BLE001 -- this row's failure is its request's, reported with it
             tokens.append(e)
     return tokens
+
+
+def _sampled_logprobs(logits: torch.Tensor, tokens: list[int | Exception], params: list[SamplingParams]
+                      ) -> list[TokenLogprob | Exception | None]:
+    """The logprob of each sampled token whose request asked for logprobs (None elsewhere); if that
+    fails, the Exception in place of each asking row."""
+    rows = [i for i, (token, p) in enumerate(zip(tokens, params, strict=True))
+            if p.logprobs is not None and not isinstance(token, Exception)]
+    out: list[TokenLogprob | Exception | None] = [None] * len(tokens)
+    if not rows:
+        return out
+    try:
+        values = token_logprobs(logits[rows], [tokens[i] for i in rows], [params[i].logprobs for i in rows])
+    except Exception as e:
+        log.exception("logprobs of the sampled tokens failed")
+        values = [e] * len(rows)
+    for i, value in zip(rows, values, strict=True):
+        out[i] = value
+    return out
+
+
+def _prompt_logprobs(logits: torch.Tensor | None, jobs: list[PromptLogprobJob]
+                     ) -> dict[str, list[TokenLogprob] | Exception]:
+    try:
+        return prompt_logprobs(logits, jobs)
+    except Exception as e:
+        log.exception("prompt logprobs failed")
+        return {job.rid: e for job in jobs}

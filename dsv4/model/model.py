@@ -2,7 +2,7 @@
 
 Every per-token step (embedding, mHC, norms, projections, MoE) runs on the flattened batch; attention
 reads and writes the pools (`PagedAttention`). Only the last token of each sampling chunk reaches
-the head. Weights are converted once, at construction, into the dtypes and layouts used here, on
+the head, and the positions whose logits a request's prompt logprobs need. Weights are converted once, at construction, into the dtypes and layouts used here, on
 the pools' device.
 """
 
@@ -46,14 +46,15 @@ class PagedModel:
     @torch.inference_mode()
     def forward(self, plan: BatchPlan, on_selection: SelectionSink | None = None) -> torch.Tensor:
         """Runs the batch (its plan on the pools' device), stores its rows in the pools; float32
-        logits [sampling chunks, vocab]. CSA layers hand their indexer selections to `on_selection`."""
+        logits [sampling chunks + prompt logit rows, vocab]: the sampled rows in chunk order, then
+        `plan.prompt_tokens`. CSA layers hand their indexer selections to `on_selection`."""
         cfg = self.cfg
         x = self.embed[plan.token_ids]
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1)  # [T, hc, hidden]
         ropes = {window: Rope(plan.positions, inv_freq, self.dtype) for window, inv_freq in self.inv_freq.items()}
         for block in self.blocks:
             streams = block(streams, plan, ropes[block.window], on_selection)
-        last = streams[plan.sample_tokens]
+        last = streams[torch.cat([plan.sample_tokens, plan.prompt_tokens])]
         x = hc_head(last, *self.hc_head_weights, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         return linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.head).float()
 

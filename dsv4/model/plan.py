@@ -90,6 +90,8 @@ class BatchPlan:
     token_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     sample_tokens: torch.Tensor  # [n_sample] rows of the last token of each sampling chunk, in chunk order
+    # [n_prompt] rows of every chunk's `prompt_logit_positions`, in chunk order (prompt logprobs)
+    prompt_tokens: torch.Tensor
     groups: tuple[AttentionGroup, ...]
     ring_write: RingWrite
     compress: dict[int, CompressPlan]  # by ratio
@@ -119,10 +121,13 @@ def build_plan(cfg: ModelConfig, batch: ForwardBatch, page_size: int) -> BatchPl
         groups.append(_attention_group(cfg, chunks.select(first, first + len(group)), ratios))
         first += len(group)
     positions, token_chunk = _ragged_arange(chunks.start, chunks.end)
+    prompt_rows = [int(chunks.offset[row_of[id(c)]]) + p - c.start_pos
+                   for c in batch.chunks for p in c.prompt_logit_positions()]
     return BatchPlan(
         token_ids=torch.tensor([t for c in order for t in c.token_ids], dtype=torch.int64),
         positions=positions,
         sample_tokens=chunks.offset[sampled] + chunks.length[sampled] - 1,
+        prompt_tokens=torch.tensor(prompt_rows, dtype=torch.int64),
         groups=tuple(groups),
         ring_write=_ring_write(chunks, cfg.sliding_window),
         compress={r: _compress_plan(chunks, r, _state_rows(cfg, r)) for r in ratios},

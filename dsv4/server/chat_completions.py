@@ -21,9 +21,10 @@ from dsv4.server.completions import usage
 from dsv4.server.constraints import chat_grammar_for
 from dsv4.server.errors import bad_request, server_error
 from dsv4.server.http_metrics import HttpMetrics
+from dsv4.server.logprobs import TokenText, chat_content
 from dsv4.server.ops import json_response
 from dsv4.server.state import ARGS, ENGINE, HTTP_METRICS, REQUEST_ID
-from dsv4.server.streaming import choices, collect, stream
+from dsv4.server.streaming import Collected, choices, collect, stream
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body: v.ChatCompletionBody = await v.decode_body(request, v.ChatCompletionBody, args)
     v.check_model(body.model, engine.model_name)
     v.check_choices(body.n)
-    if body.logprobs or body.top_logprobs:
-        param = "logprobs" if body.logprobs else "top_logprobs"
-        raise bad_request("logprobs are not supported", param=param, code="unsupported_parameter")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     prompt = build_chat_prompt(body)
     grammar = await chat_grammar_for(body, prompt, engine.tokenizer)
     input_ids = await v.tokenize(engine.tokenizer, prompt.text, engine.max_context, "messages")
@@ -46,18 +46,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     sampling = v.make_sampling(
         body, max_new_tokens=max_tokens, tokens_param=tokens_param, vocab_size=engine.model_config.vocab_size,
         hidden_token_ids=stray_think_markers(engine.tokenizer, prompt.thinking), grammar=grammar,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
     v.check_fits(len(input_ids), max_tokens, engine.max_context, "messages", tokens_param)
     reply = _ChatReply(
-        f"chatcmpl-{request[REQUEST_ID]}", engine.model_name, prompt, len(input_ids), request.app[HTTP_METRICS], body.n
+        f"chatcmpl-{request[REQUEST_ID]}", engine.model_name, prompt, len(input_ids), request.app[HTTP_METRICS], body.n,
+        TokenText(engine.tokenizer) if body.logprobs else None,
     )
     async with choices(request, input_ids, sampling, "messages", body.n) as chosen:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await stream(request, chosen, _ChatStream(reply, include_usage))
         results = await collect(chosen)
-        return json_response(reply.whole([(text, final.finish_reason) for _, text, final in results],
-                                         chosen.completion_tokens, chosen.cached_tokens))
+        return json_response(reply.whole(results, chosen.completion_tokens, chosen.cached_tokens))
 
 
 def stray_think_markers(tokenizer, thinking: bool) -> tuple[int, ...]:
@@ -72,13 +73,14 @@ class _ChatReply:
     """Builds the response objects of one request around its parser."""
 
     def __init__(self, completion_id: str, model: str, prompt: ChatPrompt, prompt_tokens: int, metrics: HttpMetrics,
-                 n: int):
+                 n: int, token_text: TokenText | None):
         self.id = completion_id
         self.metrics = metrics
         self.model = model
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         self.thinking = prompt.thinking
+        self.token_text = token_text  # None: no logprobs asked
         # One parser per choice, each fed the forced start of the completion first.
         self.parsers = [chat.StreamingChatParser(thinking=prompt.thinking, tools=prompt.tool_names) for _ in range(n)]
         forced = [parser.feed(prompt.forced_start) if prompt.forced_start else [] for parser in self.parsers]
@@ -91,23 +93,26 @@ class _ChatReply:
             log.warning("%s: model output rejected by the chat parser: %s", self.id, info["error"])
         return deltas, info
 
-    def chunk(self, index: int, delta: dict, finish_reason: str | None = None) -> dict:
+    def logprobs(self, entries) -> dict | None:
+        return None if self.token_text is None else {"content": chat_content(self.token_text, entries)}
+
+    def chunk(self, index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
         return {**self._envelope("chat.completion.chunk"),
-                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
     def usage_chunk(self, completion_tokens: int, cached_tokens: int) -> dict:
         return {**self._envelope("chat.completion.chunk"), "choices": [],
                 "usage": usage(self.prompt_tokens, completion_tokens, cached_tokens)}
 
-    def whole(self, results: list[tuple[str, str | None]], completion_tokens: int, cached_tokens: int) -> dict:
-        """The response from each choice's (text, engine finish reason)."""
+    def whole(self, results: list[Collected], completion_tokens: int, cached_tokens: int) -> dict:
+        """The response from each choice's whole result."""
         return {**self._envelope("chat.completion"),
-                "choices": [self._choice(i, text, reason) for i, (text, reason) in enumerate(results)],
+                "choices": [self._choice(i, result) for i, result in enumerate(results)],
                 "usage": usage(self.prompt_tokens, completion_tokens, cached_tokens)}
 
-    def _choice(self, index: int, text: str, engine_finish_reason: str | None) -> dict:
-        self.parsers[index].feed(text)
-        _, info = self.finish(index, engine_finish_reason)
+    def _choice(self, index: int, result: Collected) -> dict:
+        self.parsers[index].feed(result.text)
+        _, info = self.finish(index, result.final.finish_reason)
         if info["parse_error"]:
             raise invalid_output(info)
         message: dict = {"role": "assistant", "content": info["content"]}
@@ -120,7 +125,8 @@ class _ChatReply:
                  "function": {"name": call["name"], "arguments": call["arguments_json"]}}
                 for call in info["tool_calls"]
             ]
-        return {"index": index, "message": message, "logprobs": None, "finish_reason": info["finish_reason"]}
+        return {"index": index, "message": message, "logprobs": self.logprobs(result.logprobs),
+                "finish_reason": info["finish_reason"]}
 
     def _envelope(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
@@ -142,9 +148,17 @@ class _ChatStream:
             *(self.reply.chunk(i, d) for d in self.reply.forced_deltas))]
 
     def events(self, index: int, output: RequestOutput) -> list:
+        """The output's logprobs ride on its first chunk (one with an empty delta when its text
+        produced none), so the chunks' logprobs concatenate to the whole reply's."""
         reply = self.reply
         deltas = reply.parsers[index].feed(output.text) if output.text else []
         events = [reply.chunk(index, d) for d in deltas]
+        if reply.token_text is not None and output.token_ids:
+            logprobs = reply.logprobs(output.logprobs)
+            if events:
+                events[0]["choices"][0]["logprobs"] = logprobs
+            else:
+                events.append(reply.chunk(index, {}, logprobs=logprobs))
         if output.finished:
             deltas, info = reply.finish(index, output.finish_reason)
             events += [reply.chunk(index, d) for d in deltas]

@@ -13,12 +13,13 @@ import asyncio
 import logging
 import time
 from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
 from typing import Protocol, Self
 
 import msgspec
 from aiohttp import web
 
-from dsv4.protocol import GenerationRequest, RequestOutput, SamplingParams
+from dsv4.protocol import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 from dsv4.server.engine_call import EngineCall
 from dsv4.server.errors import ApiError, ClientGone, server_error
 from dsv4.server.sse import SSEStream
@@ -171,19 +172,36 @@ async def stream(request: web.Request, choices: Choices, translator: Translator)
     return sse.response
 
 
-async def collect(choices: Choices) -> list[tuple[list[int], str, RequestOutput]]:
-    """Waits for every choice's whole result: (token ids, text, final output), in choice order."""
-    token_ids: list[list[int]] = [[] for _ in choices.calls]
-    pieces: list[list[str]] = [[] for _ in choices.calls]
-    finals: list[RequestOutput | None] = [None] * len(choices.calls)
+@dataclass
+class Collected:
+    """One choice's whole result."""
+
+    token_ids: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    final: RequestOutput | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+async def collect(choices: Choices) -> list[Collected]:
+    """Waits for every choice's whole result, in choice order."""
+    results = [Collected() for _ in choices.calls]
     async for index, output in choices:
         if output.finished and output.finish_reason in FAILED:
             raise ClientGone() if choices.client_gone() else failure(output)
-        token_ids[index].extend(output.token_ids)
-        pieces[index].append(output.text)
+        result = results[index]
+        result.token_ids.extend(output.token_ids)
+        result.pieces.append(output.text)
+        result.logprobs.extend(output.logprobs)
+        if output.prompt_logprobs is not None:
+            result.prompt_logprobs = output.prompt_logprobs
         if output.finished:
-            finals[index] = output
-    return [(ids, "".join(text), final) for ids, text, final in zip(token_ids, pieces, finals, strict=True)]
+            result.final = output
+    return results
 
 
 async def _send_final_error(sse: SSEStream, error: ApiError) -> None:

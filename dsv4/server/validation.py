@@ -10,6 +10,7 @@ import msgspec
 from aiohttp import ClientPayloadError, web
 
 from dsv4.config import ServerArgs
+from dsv4.engine.logprobs import MAX_TOP_LOGPROBS
 from dsv4.protocol import SamplingParams
 from dsv4.server.errors import ApiError, ClientGone, bad_request
 
@@ -28,6 +29,7 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]  # OpenAI's presence a
 RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=2.0)]
 LogitBias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 StopList = Annotated[list[str], msgspec.Meta(max_length=MAX_STOP_SEQUENCES)]
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]  # alternatives per token: vLLM's limit
 
 # msgspec reports where a value failed as "... - at `$.messages[0].role`", or names a missing
 # field as "missing required field `model`"; both become the OpenAI `param`.
@@ -131,7 +133,7 @@ class ChatCompletionBody(OpenAISampling, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
-    top_logprobs: Count | None = None
+    top_logprobs: TopLogprobs | None = None
     # Tools and response_format are kept raw so that they reach the prompt in the client's key
     # order (the encoder re-serialises them verbatim); each is still validated against its Struct.
     response_format: msgspec.Raw = msgspec.Raw()  # empty when absent (msgspec has no Raw | None)
@@ -145,7 +147,7 @@ class ChatCompletionBody(OpenAISampling, kw_only=True):
 class CompletionBody(OpenAISampling, kw_only=True):
     # str, token ids, or a batch of one of either (msgspec allows one array type per union)
     prompt: str | list[str | int | list[int]]
-    logprobs: Count | None = None
+    logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: Count | None = None
@@ -177,6 +179,12 @@ class GenerateBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     text: str | None = None
     sampling_params: NativeSampling = msgspec.field(default_factory=NativeSampling)
     stream: bool = False
+    # SGLang's logprob fields: output-token logprobs, and prompt logprobs from logprob_start_len on
+    # (-1: none), each with top_logprobs_num alternatives; texts only with return_text_in_logprobs.
+    return_logprob: bool = False
+    top_logprobs_num: TopLogprobs = 0
+    logprob_start_len: Count = -1
+    return_text_in_logprobs: bool = False
 
 
 # -- decoding --------------------------------------------------------------------------------------
@@ -314,6 +322,9 @@ def make_sampling(
     field_prefix: str = "",
     hidden_token_ids: tuple[int, ...] = (),
     grammar: str | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    prompt_logprobs_start: int = 0,
 ) -> SamplingParams:
     """The engine's sampling parameters from a body's sampling fields (the OpenAI routes and the
     native `sampling_params` share their names); `field_prefix` names where those fields sit in the
@@ -346,6 +357,9 @@ def make_sampling(
         min_p=fields.min_p or 0.0,
         logit_bias=_logit_bias(fields.logit_bias, vocab_size, f + "logit_bias"),
         grammar=grammar,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs_start=prompt_logprobs_start,
     )
 
 

@@ -107,7 +107,7 @@ class FakeDecodeTarget:
             self.pages[pages[0].id, 0] ^= 0xFF
         return [zlib.crc32(self.pages[h.id]) for h in pages], zlib.crc32(self.slots[slot.id])
 
-    def admit(self, req, pages, slot, first_token):
+    def admit(self, req, pages, slot, first_token, first_logprob=None, prompt_logprobs=None):
         self.admitted[req.rid] = (
             first_token,
             [self.pages[h.id].tobytes() for h in pages],

@@ -214,3 +214,30 @@ async def test_a_grammar_holds_across_the_transfer(make_pd):
         outputs = await outputs_of(decode.submit(req))
         assert outputs[-1].finish_reason == "stop", outputs[-1]
         assert re.fullmatch(pattern, "".join(o.text for o in outputs)), outputs
+
+
+async def test_logprobs_cross_from_prefill_to_decode_as_colocated(make_pd, tiny_ckpt):
+    """The first token's logprobs (sampled on the prefill side) and the prompt's (computed across
+    its prefill chunks) travel in the Commit: the decode side returns what one colocated engine does."""
+    _, decode = await make_pd()
+    colocated, _ = engine_of(tiny_ckpt)
+    await colocated.start()
+    try:
+        asks = {"logprobs": 3, "prompt_logprobs": 2, "prompt_logprobs_start": 5, "temperature": 0.8, "seed": 4,
+                "max_new_tokens": 5}
+        pd = await outputs_of(decode.submit(request("lp", CHUNK + 40, **asks)))
+        alone = await outputs_of(colocated.submit(request("lp", CHUNK + 40, **asks)))
+    finally:
+        await colocated.stop()
+    for outs in (pd, alone):
+        assert outs[-1].finish_reason == "length", outs[-1]
+    assert [t for o in pd for t in o.token_ids] == [t for o in alone for t in o.token_ids]
+    got, want = [e for o in pd for e in o.logprobs], [e for o in alone for e in o.logprobs]
+    assert len(got) == len(want) == 5
+    (got_prompt,) = [o.prompt_logprobs for o in pd if o.prompt_logprobs is not None]
+    (want_prompt,) = [o.prompt_logprobs for o in alone if o.prompt_logprobs is not None]
+    assert len(got_prompt) == len(want_prompt) == CHUNK + 40 - 5
+    for mine, theirs in zip([*got, *got_prompt], [*want, *want_prompt], strict=True):
+        assert mine.token_id == theirs.token_id and abs(mine.logprob - theirs.logprob) < 1e-5
+        assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+        assert all(abs(a - b) < 1e-5 for (_, a), (_, b) in zip(mine.top, theirs.top, strict=True))

@@ -10,10 +10,11 @@ import asyncio
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from dsv4.engine.request import AdmissionError
-from dsv4.protocol import GenerationRequest, RequestOutput
+from dsv4.protocol import GenerationRequest, RequestOutput, SamplingParams, TokenLogprob
 
 VOCAB_SIZE = 0x110000
 
@@ -29,6 +30,9 @@ class CharTokenizer:
 
     def decode(self, ids) -> str:
         return "".join(chr(i) for i in ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return chr(token_id).encode("utf-8", "surrogatepass")
 
 
 @dataclass
@@ -119,8 +123,11 @@ class FakeEngine:
                     yield self._last(request, "error", error="injected failure")
                     return
                 yield RequestOutput(rid=request.rid, token_ids=(ord(char),), text=char,
-                                    prompt_tokens=len(request.input_ids), completion_tokens=n)
-            yield self._last(request, "length" if len(reply) >= limit else "stop")
+                                    prompt_tokens=len(request.input_ids), completion_tokens=n,
+                                    logprobs=_logprobs(request.sampling, [ord(char)]),
+                                    prompt_logprobs=_prompt_logprobs(request) if n == 1 else None)
+            last = self._last(request, "length" if len(reply) >= limit else "stop")
+            yield last if reply[:limit] else msgspec.structs.replace(last, prompt_logprobs=_prompt_logprobs(request))
         finally:
             self.live.pop(request.rid, None)
 
@@ -128,3 +135,20 @@ class FakeEngine:
     def _last(request: GenerationRequest, reason: str, error: str | None = None) -> RequestOutput:
         return RequestOutput(rid=request.rid, finished=True, finish_reason=reason, error=error,
                              prompt_tokens=len(request.input_ids))
+
+
+def _logprobs(sampling: SamplingParams, token_ids: list[int]) -> tuple[TokenLogprob, ...]:
+    """Made-up logprobs in the engine's shape: each token certain-ish, its top list itself repeated."""
+    if sampling.logprobs is None:
+        return ()
+    return tuple(TokenLogprob(t, -0.5, ((t, -0.5),) * sampling.logprobs) for t in token_ids)
+
+
+def _prompt_logprobs(request: GenerationRequest) -> tuple[TokenLogprob | None, ...] | None:
+    sampling = request.sampling
+    if sampling.prompt_logprobs is None:
+        return None
+    start = sampling.prompt_logprobs_start
+    entries = [TokenLogprob(t, -1.0, ((t, -1.0),) * sampling.prompt_logprobs)
+               for t in request.input_ids[max(start, 1):]]
+    return (None, *entries) if start == 0 else tuple(entries)

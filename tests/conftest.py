@@ -11,6 +11,10 @@ import os
 import pytest
 import torch
 
+# Compiling costs tens of seconds per process: only the tests about the compiled path ask for it
+# (`ServerArgs(disable_compile=False)`); every other model, and every server a test starts, runs eagerly.
+os.environ["DSV4_DISABLE_COMPILE"] = "1"
+
 KERNELS_ON_CUDA = torch.cuda.is_available() and os.environ.get("DSV4_KERNELS_INTERPRET") != "1"
 if not KERNELS_ON_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"

@@ -15,11 +15,12 @@ from dsv4.config.model import (
     ModelConfig,
     YarnScaling,
     cache_dir,
+    compile_disabled_by_env,
     expected_weights,
 )
 from dsv4.config.server_args import DTYPES, ServerArgs
 
 __all__ = [
     "CSA", "DTYPES", "FRAME_KINDS", "HCA", "LAYER_KIND_BY_RATIO", "WINDOW", "ConfigError", "FaultInjection",
-    "FrameFault", "ModelConfig", "RankDelay", "ServerArgs", "YarnScaling", "cache_dir", "expected_weights", "parse_duration",
+    "FrameFault", "ModelConfig", "RankDelay", "ServerArgs", "YarnScaling", "cache_dir", "compile_disabled_by_env", "expected_weights", "parse_duration",
 ]

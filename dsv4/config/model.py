@@ -397,3 +397,9 @@ def cache_dir() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "dsv4"
+
+
+def compile_disabled_by_env() -> bool:
+    """`DSV4_DISABLE_COMPILE=1`: the default of `--disable-compile` (the test suite sets it, so only the
+    tests that are about the compiled path pay for compiling)."""
+    return os.environ.get("DSV4_DISABLE_COMPILE", "") not in ("", "0")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from dsv4.config.faults import FaultInjection
-from dsv4.config.model import ConfigError
+from dsv4.config.model import ConfigError, compile_disabled_by_env
 
 # -- choices -------------------------------------------------------------------------------------
 
@@ -50,6 +50,9 @@ class ServerArgs:
     device: str | None = None  # where pools and weights live; None: cuda when available, else cpu
     verify_indexer: str = "off"  # off | count | full | fail: see --verify-indexer's help
     verify_indexer_every: int = 1  # verify the indexer's selections every N ticks
+    # torch.compile of the model's many-small-op pieces (dsv4/model/compile.py); off: eager only
+    disable_compile: bool = field(default_factory=compile_disabled_by_env)
+    compile_timeout: float = 300.0  # seconds the startup compile may take before serving eagerly instead
     # -- disaggregation (owner: dsv4/disagg; checked in _check_disaggregation) --
     disaggregation_mode: str = "null"  # null: colocated; prefill or decode: one side of a PD pair
     disaggregation_bootstrap_port: int = 8998  # prefill: the UCX port decode instances connect to
@@ -90,7 +93,7 @@ class ServerArgs:
         if self.context_length is not None and self.context_length <= 0:
             raise ConfigError("--context-length must be positive")
         for name in ("request_timeout", "tick_stall_timeout", "max_queue_wait", "shutdown_timeout",
-                     "timeout_keep_alive", "body_read_timeout"):
+                     "timeout_keep_alive", "body_read_timeout", "compile_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         FaultInjection.parse(self.fault_inject)
@@ -190,6 +193,11 @@ class ServerArgs:
                  "code (slower); fail: as count, and also fail the affected request")
         add("--verify-indexer-every", type=int, default=d.verify_indexer_every, metavar="N",
             help="with --verify-indexer: verify every N ticks")
+        add("--disable-compile", action="store_true", default=compile_disabled_by_env(),
+            help="run the model eagerly: no torch.compile of its many-small-op pieces at startup "
+                 "(default from DSV4_DISABLE_COMPILE)")
+        add("--compile-timeout", type=float, default=d.compile_timeout,
+            help="seconds the startup compile may take; past it the model serves eagerly (logged)")
         # -- disaggregation --
         add("--disaggregation-mode", choices=DISAGGREGATION_MODES, default=d.disaggregation_mode,
             help="null: serve alone; prefill: compute prompts for decode instances; decode: serve users, "

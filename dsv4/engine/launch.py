@@ -45,6 +45,10 @@ def load_model(args: ServerArgs, group: TpGroup | None = None) -> LoadedModel:
     name = BUILTIN_MODEL_NAME if args.model is None else path.name
     log.info("loaded %s from %s (%s on %s, %d pages of %d tokens, %d slots)",
              name, path, args.dtype, runner.device, runner.num_pages, args.page_size, runner.num_slots)
+    if runner.device.type == "cpu":
+        log.info("CPU forward: %d torch threads, %d cores available to this process; model pieces %s",
+                 torch.get_num_threads(), len(os.sched_getaffinity(0)),
+                 "compiled" if runner.compiled else "eager")
     if group is not None:
         log.info("rank %d of %d: %d bytes of weights (experts %d..%d of %d)", group.rank, group.size,
                  sum(t.nbytes for t in weights.values()), shard.experts.start, shard.experts.stop - 1,

@@ -19,6 +19,7 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.memory.pools import StatePools
+from dsv4.model.compile import EAGER, compile_pieces
 from dsv4.model.model import PagedModel
 from dsv4.model.plan import build_plan
 from dsv4.model.sharding import Reducer, ShardPlan
@@ -60,7 +61,10 @@ class ModelRunner:
                                 dtype=self.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                 index_key_dtype=args.index_key_dtype, device=self.device,
                                 fingerprint_index_keys=self.verify_indexer)
-        self.model = PagedModel(cfg, weights, self.dtype, self.pools, kernels=kernels, shard=shard, reduce=reduce)
+        pieces = EAGER if args.disable_compile else compile_pieces(cfg, self.dtype, self.device, args.compile_timeout)
+        self.compiled = pieces.compiled
+        self.model = PagedModel(cfg, weights, self.dtype, self.pools, kernels=kernels, shard=shard, reduce=reduce,
+                                pieces=pieces)
         self.index_query_oracle = (IndexQueryOracle(cfg, weights, self.dtype, self.device)
                                    if args.verify_indexer == "full" else None)
         self.indexer_check: IndexerVerifier | None = None  # of the last forward, when it was verified

@@ -15,24 +15,22 @@ from .ops import accumulation_dtype, rms_norm
 
 class HyperConnection:
     """The mixing weights of one sublayer: `fn` [(2+n)*n, n*hidden], `base` [(2+n)*n], `scale` [3]
-    (pre, post and comb scales), already in the accumulation dtype."""
+    (pre, post and comb scales), already in the accumulation dtype. `collapse_fn`: `collapse` itself
+    or its compiled form (dsv4/model/compile.py)."""
 
     def __init__(self, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, hc_mult: int,
-                 sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+                 sinkhorn_iters: int, hc_eps: float, norm_eps: float, collapse_fn=None):
         n = self.n = hc_mult
         self.fn, self.base = fn, base
         # One scale per mix, so the three scale-and-shift steps are one addcmul.
         self.scale = scale.repeat_interleave(torch.tensor([n, n, n * n], device=scale.device))
         self.sinkhorn_iters, self.hc_eps, self.norm_eps = sinkhorn_iters, hc_eps, norm_eps
+        self._collapse = collapse_fn or collapse
 
     def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, n, hidden] -> (sublayer input [T, hidden], post [T, n], comb [T, n, n])."""
-        n = self.n
-        logits = torch.addcmul(self.base, stream_mixes(streams, self.fn, self.norm_eps), self.scale)
-        gates = torch.sigmoid(logits[:, : 2 * n])
-        pre, post = gates[:, :n] + self.hc_eps, gates[:, n:] * 2
-        comb = _sinkhorn(logits[:, 2 * n :].unflatten(-1, (n, n)), self.sinkhorn_iters, self.hc_eps)
-        return weighted_sum(streams, pre), post, comb
+        return self._collapse(streams, self.fn, self.base, self.scale, self.n, self.sinkhorn_iters, self.hc_eps,
+                              self.norm_eps)
 
     @staticmethod
     def expand(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -40,6 +38,17 @@ class HyperConnection:
         acc = post.dtype
         written = post.unsqueeze(-1) * output.to(acc).unsqueeze(-2)  # [T, n, hidden]
         return torch.baddbmm(written, comb.transpose(-1, -2), streams.to(acc)).to(streams.dtype)
+
+
+def collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,
+             sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`HyperConnection.collapse` as a function of tensors and constants only, so that one compiled
+    form serves every layer (`scale` already repeated per mix)."""
+    logits = torch.addcmul(base, stream_mixes(streams, fn, norm_eps), scale)
+    gates = torch.sigmoid(logits[:, : 2 * n])
+    pre, post = gates[:, :n] + hc_eps, gates[:, n:] * 2
+    comb = _sinkhorn(logits[:, 2 * n :].unflatten(-1, (n, n)), sinkhorn_iters, hc_eps)
+    return weighted_sum(streams, pre), post, comb
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, hc_eps: float,

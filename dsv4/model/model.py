@@ -14,6 +14,7 @@ from dsv4.config import WINDOW, ModelConfig
 from dsv4.memory.pools import StatePools
 
 from .attention import PagedAttention
+from .compile import EAGER, Pieces
 from .mhc import HyperConnection, hc_head
 from .moe import GroupedMoE
 from .ops import Rope, accumulation_dtype, layer_inv_freq, linear, rms_norm
@@ -29,17 +30,19 @@ _FULL_PRECISION_SUFFIXES = ("_fn", "_base", "_scale", "norm.weight", "attn_sink"
 
 class PagedModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, pools: StatePools,
-                 *, kernels: bool | None = None, shard: ShardPlan | None = None, reduce: Reducer | None = None):
+                 *, kernels: bool | None = None, shard: ShardPlan | None = None, reduce: Reducer | None = None,
+                 pieces: Pieces = EAGER):
         """`kernels`: attention, indexer and compressor inserts through `dsv4.kernels.dispatch` (Triton
         on CUDA); default: when the pools are on CUDA. `weights` hold this rank's part (`shard`, default
-        all of it); `reduce` sums partial results across tensor-parallel ranks (None: TP=1)."""
+        all of it); `reduce` sums partial results across tensor-parallel ranks (None: TP=1). `pieces`:
+        eager or compiled implementations of the many-small-op pieces (dsv4/model/compile.py)."""
         self.cfg, self.dtype = cfg, dtype
         shard = shard or ShardPlan(cfg)
         self.kernels = pools.device.type == "cuda" if kernels is None else kernels
         w = _WeightReader(weights, dtype, accumulation_dtype(dtype), pools.device)
         self.embed, self.head, self.norm = w("embed.weight"), w("head.weight"), w("norm.weight")
         self.hc_head_weights = (w("hc_head_fn"), w("hc_head_base"), w("hc_head_scale"))
-        self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce) for i in range(cfg.num_layers)]
+        self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce, pieces) for i in range(cfg.num_layers)]
         # RoPE frequencies by "is a window layer": every layer of a kind rotates by the same tables.
         self.inv_freq = {block.window: layer_inv_freq(cfg, i).to(pools.device) for i, block in enumerate(self.blocks)}
 
@@ -50,7 +53,8 @@ class PagedModel:
         `plan.prompt_tokens`. CSA layers hand their indexer selections to `on_selection`."""
         cfg = self.cfg
         x = self.embed[plan.token_ids]
-        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1)  # [T, hc, hidden]
+        # [T, hc, hidden], contiguous like every later layer's streams (one layout for compiled code)
+        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         ropes = {window: Rope(plan.positions, inv_freq, self.dtype) for window, inv_freq in self.inv_freq.items()}
         for block in self.blocks:
             streams = block(streams, plan, ropes[block.window], on_selection)
@@ -63,12 +67,12 @@ class _Block:
     """One decoder layer: mHC around attention, then mHC around the MoE."""
 
     def __init__(self, cfg: ModelConfig, layer: int, w, pools: StatePools, kernels: bool, shard: ShardPlan,
-                 reduce: Reducer | None):
+                 reduce: Reducer | None, pieces: Pieces):
         self.eps, self.window = cfg.rms_norm_eps, cfg.layer_kind(layer) == WINDOW
         self.attn_hc, self.ffn_hc = (
             HyperConnection(*(w(f"layers.{layer}.hc_{kind}_{part}") for part in ("fn", "base", "scale")),
                             hc_mult=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
-                            norm_eps=cfg.rms_norm_eps)
+                            norm_eps=cfg.rms_norm_eps, collapse_fn=pieces.collapse)
             for kind in ("attn", "ffn"))
         self.attn_norm, self.ffn_norm = w(f"layers.{layer}.attn_norm.weight"), w(f"layers.{layer}.ffn_norm.weight")
         self.attn = PagedAttention(cfg, layer, w.under(f"layers.{layer}.attn."), pools, kernels=kernels,

@@ -1,0 +1,89 @@
+"""The compiled pieces (dsv4/model/compile.py) against the eager model they replace, and the bound on
+compiling: a compile that cannot finish in time leaves an eager model that serves."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv4.config import ModelConfig, ServerArgs
+from dsv4.engine.runner import ModelRunner
+from dsv4.protocol import ForwardBatch, ForwardChunk
+from dsv4.weights import load_state_dict
+
+PAGE = 128
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    cfg = ModelConfig.from_json(tiny_ckpt)
+    return cfg, load_state_dict(tiny_ckpt, cfg, dtype=torch.float32)
+
+
+def runner(model, **args) -> ModelRunner:
+    cfg, weights = model
+    r = ModelRunner(cfg, weights, ServerArgs(dtype="float32", page_size=PAGE, max_running_requests=2,
+                                             max_total_tokens=4 * PAGE, index_key_dtype="fp32", **args))
+    r.begin_tenancies([(p, 1) for p in range(r.num_pages)], [(s, 1) for s in range(r.num_slots)])
+    return r
+
+
+def logits_of(r: ModelRunner, prompt: list[int], decodes: list[int]) -> torch.Tensor:
+    """A prefill chunk, then one request's decode steps, then two requests decoding together."""
+    def chunk(slot, start, ids):
+        return ForwardChunk(rid=f"r{slot}", slot=slot, slot_generation=1, start_pos=start, token_ids=tuple(ids),
+                            page_ids=(2 * slot, 2 * slot + 1), page_generations=(1, 1), sample=True)
+
+    rows = [r.forward(ForwardBatch(tick=1, chunks=(chunk(0, 0, prompt), chunk(1, 0, prompt[:50]))))]
+    for i, token in enumerate(decodes):
+        rows.append(r.forward(ForwardBatch(tick=2 + i, chunks=(chunk(0, len(prompt) + i, [token]),))))
+    both = (chunk(0, len(prompt) + len(decodes), [7]), chunk(1, 50, [9]))
+    rows.append(r.forward(ForwardBatch(tick=2 + len(decodes), chunks=both)))
+    return torch.cat(rows)
+
+
+def test_compiled_model_equals_eager(model, caplog):
+    cfg, _ = model
+    prompt = torch.randint(0, cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(3)).tolist()
+    with caplog.at_level(logging.INFO, logger="dsv4.model.compile"):
+        compiled = runner(model, disable_compile=False, compile_timeout=600)
+    assert compiled.compiled, caplog.text
+    assert "compiled in" in caplog.text and "inductor cache" in caplog.text
+    eager = runner(model, disable_compile=True)
+    assert not eager.compiled
+    with torch.inference_mode():
+        got, want = logits_of(compiled, prompt, [5, 6, 7]), logits_of(eager, prompt, [5, 6, 7])
+    # The same math; only the fused code's summation order differs.
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_compile_past_its_timeout_serves_eagerly(tiny_ckpt):
+    """In a fresh process (this one has compiled already, and torch keeps what it compiled)."""
+    script = f"""
+import logging, sys, torch
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+from dsv4.config import ModelConfig, ServerArgs
+from dsv4.engine.runner import ModelRunner
+from dsv4.protocol import ForwardBatch, ForwardChunk
+from dsv4.weights import load_state_dict
+cfg = ModelConfig.from_json({str(tiny_ckpt)!r})
+args = ServerArgs(dtype="float32", max_running_requests=1, max_total_tokens=256, disable_compile=False,
+                  compile_timeout=0.001)
+r = ModelRunner(cfg, load_state_dict({str(tiny_ckpt)!r}, cfg, dtype=torch.float32), args)
+r.begin_tenancies([(0, 1)], [(0, 1)])
+chunk = ForwardChunk(rid="r", slot=0, slot_generation=1, start_pos=0, token_ids=(1, 2, 3), page_ids=(0,),
+                     page_generations=(1,), sample=True)
+with torch.inference_mode():
+    assert torch.isfinite(r.forward(ForwardBatch(tick=1, chunks=(chunk,)))).all()
+print("compiled:", r.compiled)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "DSV4_DISABLE_COMPILE": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled: False" in done.stdout and "did not finish within" in done.stdout, done.stdout

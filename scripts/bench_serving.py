@@ -143,17 +143,16 @@ def print_bound(results, c1: Run, bandwidth: dict, bound: dict) -> None:
               f"= {floor:.2f} ms floor; the step takes {step / floor:.1f}x the floor")
 
 
-def tp_compare(model_dir: Path, args, work: Workload, results: Results, fp32_c1: dict | None) -> dict | None:
+def tp_compare(model_dir: Path, args, work: Workload, results: Results, c1: Run, prompts: list[list[int]],
+               fp32_c1: dict | None) -> dict | None:
     """The concurrency-1 decode step of a `--tp-size 2` server against TP=1 (float32, same prompts).
     On a 2-core machine the two ranks share the cores the one rank had: a figure, not a target."""
     if fp32_c1 is None:
         return None
-    run = Run(fp32_c1["dataset"], 1)
-    prompts = prompts_for(run, work, 0)
-    server = ServerProcess(args.model_dir, ["--dtype", "float32", "--tp-size", "2", *args.server_args.split()],
+    server = ServerProcess(model_dir, ["--dtype", "float32", "--tp-size", "2", *args.server_args.split()],
                            600, results.folder / "server-float32-tp2.log")
     with server:
-        done, _ = asyncio.run(run_load(server.url, prompts, work.output_len, work.request_timeout, 1))
+        done, _ = asyncio.run(run_load(server.url, prompts, work.output_len, work.request_timeout, c1.concurrency))
     steps = [r.tpot for r in done if r.ok and r.tpot is not None]
     two = sum(steps) / len(steps) * 1000 if steps else math.nan
     one = fp32_c1["mean_tpot_ms"]
@@ -207,7 +206,8 @@ def main(argv=None) -> int:
             print(format_targets(rows))
         fp32 = next((r for r in per_dtype if r.dtype == "float32"), None)
         if args.suite and not args.no_tp_compare and c1 is not None and fp32 is not None:
-            summary["tp_compare"] = tp_compare(args.model_dir, args, work, results, fp32.get("dsv4", c1))
+            summary["tp_compare"] = tp_compare(args.model_dir, args, work, results, c1,
+                                               prompts_for(c1, work, every.index(c1)), fp32.get("dsv4", c1))
     for r in per_dtype:
         if r.storm is not None:
             summary["abort_storm"] = {k: v for k, v in r.storm.items() if k != "points"}

@@ -36,11 +36,12 @@ def throughput_vs_concurrency(runs: list[dict], out: Path) -> Path | None:
     if not lines:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {key: f"C{i}" for i, key in enumerate(sorted({k[1:] for k in lines}))}  # one per dtype+dataset
     for (backend, dtype, dataset), points in sorted(lines.items()):
         points.sort()
         style = "-o" if backend == "dsv4" else "--s"
         label = f"{backend} {dtype}" + ("" if dataset == "random" else f" {dataset}")
-        ax.plot([c for c, _ in points], [t for _, t in points], style, label=label)
+        ax.plot([c for c, _ in points], [t for _, t in points], style, color=colors[dtype, dataset], label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({c for points in lines.values() for c, _ in points}))
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
@@ -62,7 +63,8 @@ def itl_abort_storm(runs: list[dict], out: Path) -> Path | None:
         return None
     storm = storms[0]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for aborted, color, label in ((False, "tab:blue", "surviving streams"), (True, "tab:red", "aborted streams")):
+    # The survivors are drawn last, on top: before the storm every stream steps together.
+    for aborted, color, label in ((True, "tab:red", "aborted streams"), (False, "tab:blue", "surviving streams")):
         points = [(t, gap) for t, gap, was_aborted in storm["points"] if was_aborted == aborted]
         if points:
             ax.scatter([t for t, _ in points], [gap for _, gap in points], s=6, color=color, alpha=0.6, label=label)

@@ -193,6 +193,10 @@ def main(argv=None) -> int:
     for r in per_dtype:
         print(f"\n{r.dtype}: dsv4 against HF (x: dsv4's speedup; medians)")
         print(ratio_table(r, every + last))
+        if r.storm is not None:
+            summary["abort_storm"] = {k: v for k, v in r.storm.items() if k != "points"}
+    plots = draw_all(results.folder)  # before the TP=2 server: a failure there leaves the plots drawn
+    print("\nplots: " + ", ".join(str(p) for p in plots))
     random_runs = [run for run in every if run.dataset == "random"]
     if not args.url and random_runs:
         c1 = next((run for run in random_runs if run.concurrency == 1), None)
@@ -200,7 +204,8 @@ def main(argv=None) -> int:
             print()
             print_bound(per_dtype, c1, bandwidth, bound)
         if args.suite and c1 is not None and args.baseline == "hf":
-            rows = target_rows(per_dtype, c1, random_runs[-1], args.input_len, bound)
+            widest = max(random_runs, key=lambda run: run.concurrency)
+            rows = target_rows(per_dtype, c1, widest, args.input_len, bound)
             summary["targets"] = rows
             print("\nissue 12 targets (same run; HF/bound column: HF's figure, or the bandwidth floor)")
             print(format_targets(rows))
@@ -208,12 +213,7 @@ def main(argv=None) -> int:
         if args.suite and not args.no_tp_compare and c1 is not None and fp32 is not None:
             summary["tp_compare"] = tp_compare(args.model_dir, args, work, results, c1,
                                                prompts_for(c1, work, every.index(c1)), fp32.get("dsv4", c1))
-    for r in per_dtype:
-        if r.storm is not None:
-            summary["abort_storm"] = {k: v for k, v in r.storm.items() if k != "points"}
     results.save("summary", summary)
-    plots = draw_all(results.folder)
-    print("\nplots: " + ", ".join(str(p) for p in plots))
 
     if args.suite and not args.no_kernels:
         bench_kernels = ROOT / "scripts" / "bench_kernels.py"

@@ -83,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--storm-after-tokens", type=int, help="the storm lands once every stream has this many")
     p.add_argument("--storm-abort-fraction", type=float, default=0.75)
     p.add_argument("--baseline", choices=["none", "hf"], default="hf", help="HF needs --model or --suite")
-    p.add_argument("--server-args", default="", help="extra `dsv4 serve` flags")
+    p.add_argument("--server-args", default="", help="extra `dsv4 serve` flags (--server-args=\"--flag value\")")
     p.add_argument("--no-tp-compare", action="store_true", help="suite: skip the --tp-size 2 decode step")
     p.add_argument("--no-kernels", action="store_true", help="suite: skip the kernel benchmark")
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="the memory bandwidth test's size")

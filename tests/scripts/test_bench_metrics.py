@@ -10,8 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from bench.client import Stream  # noqa: E402
-from bench.metrics import RequestResult, metric_keys, percentile, ratio, summarize  # noqa: E402
+from bench.client import Stream
+from bench.metrics import RequestResult, metric_keys, percentile, ratio, summarize
 
 
 def test_percentiles_interpolate_between_ranks_like_numpy():

@@ -44,6 +44,7 @@ class HFBaseline:
     def __init__(self, model_dir: Path, dtype: str):
         hf_logging.disable_progress_bar()
         self.model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype]).eval()
+        self.threads = torch.get_num_threads()  # torch's default, as the server's: every core
         self.eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id", 1)
         self.generate([[16] * 8], 2)  # first-call costs (allocator, lazy inits) stay out of the figures
 

@@ -146,10 +146,11 @@ def measure_hf(model_dir: Path, dtype: str, runs: list[Run], work: Workload, res
         if not run.hf:
             continue
         done, wall = hf.run(prompts_for(run, work, index), run.concurrency, work.output_len)
-        record = _record("hf", dtype, run, work, done, wall)
+        record = {**_record("hf", dtype, run, work, done, wall), "torch_threads": hf.threads}
         out.runs[("hf", run.label)] = record
         results.save(f"hf-{dtype}-{run.label}", record)
-        print(format_summary(f"HF transformers {dtype} {run.label} (batch {run.concurrency})", record), flush=True)
+        title = f"HF {dtype} {run.label} (batch {run.concurrency}, {hf.threads} threads)"
+        print(format_summary(title, record), flush=True)
 
 
 def measure_dtype(model_dir: Path, dtype: str, server_args: list[str], runs: list[Run], work: Workload,

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Self
 
 import aiohttp
-from bench.metrics import RequestResult
 from prometheus_client.parser import text_string_to_metric_families
+
+from bench.metrics import RequestResult
 
 ROOT = Path(__file__).resolve().parents[2]
 HIT_TOKENS = "dsv4_prefix_cache_hit_tokens_total"  # by tier; the rate sums them

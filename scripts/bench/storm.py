@@ -13,6 +13,7 @@ import time
 
 import aiohttp
 from abort_storm import get_json, wait_quiet
+
 from bench.client import Stream, stream_request
 from bench.metrics import stats_ms
 

@@ -24,6 +24,7 @@ test: install
 serve: install
 	$(PY) -m dsv4 serve $(ARGS)
 
+# Results, JSON per run and PNG plots, go to bench_results/<timestamp>/; ARGS=--quick runs every part smaller.
 bench: install
 	$(PY) scripts/bench_serving.py --suite $(ARGS)
 

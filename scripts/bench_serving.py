@@ -1,234 +1,51 @@
 #!/usr/bin/env python3
-"""Serving benchmark: a concurrency sweep against a dsv4 server, with HF transformers as baseline.
+"""Serving benchmark in the shape of SGLang's bench_serving and vLLM's benchmark_serving, with HF
+transformers measured in the same run as the baseline.
 
 Modes:
-  --url URL              sweep a server that is already running
-  --model DIR            start `python -m dsv4 serve --model DIR` on a free port, sweep it, stop it
-  --suite                what `make bench` runs: build the `small` checkpoint once, sweep dsv4 at
-                         concurrency 1, 8 and 32, run the HF baseline on the same prompts in the
-                         same run, print the ratio, the concurrency-1 decode step at --tp-size 2
-                         against 1, then run the kernel benchmark on CPU.
-  --baseline hf          also time HF `DeepseekV4ForCausalLM.generate` on the same checkpoint and
-                         the first level's prompts (greedy, one prompt at a time: HF's V4 cache
-                         has no batched prefill over padded prompts) and print dsv4/HF ratios
-                         for every level.
+  --url URL     load an already running server (no HF baseline, no startup time)
+  --model DIR   start `python -m dsv4 serve --model DIR --dtype D` for each --dtype, load it, stop
+                it, then run HF's batched `generate` on the same prompts
+  --suite       what `make bench` runs: --model on the `small` checkpoint in float32 and bfloat16,
+                the targets of issue 12 as ratios against HF, the concurrency-1 decode step at
+                --tp-size 2 against 1, and the CPU kernel benchmark. --quick makes every part smaller.
 
-Per concurrency level it reports TTFT, TPOT and ITL (mean/p50/p99), output tok/s and failures.
-Every request and the whole run are bounded by timeouts; a server it starts is always stopped.
+Per run (one JSON file each in --output-dir, default bench_results/<timestamp>/): TTFT, TPOT, ITL
+and E2E (mean, median, p90, p99), output and total tok/s, request throughput, completed and failed
+requests (definitions: scripts/bench/metrics.py). Runs: a concurrency sweep (--max-concurrency)
+per --dataset-name, with HF on the same prompts in batches of the concurrency; then, in the last
+dtype, a request-rate sweep (Poisson arrivals, --request-rate), one shared-prefix run with the
+server's prefix-cache hit rate (--shared-prefix-concurrency) and an abort storm
+(--storm-concurrency). Also measured: the server's startup to ready, the machine's memory
+bandwidth, and the concurrency-1 decode step against weight bytes read per step / bandwidth.
+Plots (PNG): throughput against concurrency for dsv4 and HF, and ITL over time across the storm.
+Every request and every wait is bounded; a server it starts is always stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import random
-import socket
-import statistics
+import math
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # dsv4 from this checkout, installed or not
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.client import ROOT, ServerProcess, run_load
+from bench.datasets import DATASETS
+from bench.plots import draw_all
+from bench.runner import Results, Run, Storm, Workload, measure_dtype, prompts_for, ratio_table
+from bench.targets import format_targets, target_rows
 
-
-@dataclass
-class RequestResult:
-    ok: bool
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itls: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    error: str = ""
-
-
-@dataclass
-class LevelResult:
-    concurrency: int
-    results: list[RequestResult]
-    wall: float
-
-    @property
-    def good(self) -> list[RequestResult]:
-        return [r for r in self.results if r.ok]
-
-    @property
-    def output_tok_s(self) -> float:
-        return sum(r.output_tokens for r in self.good) / self.wall if self.wall else 0.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-def summarize(values: list[float]) -> str:
-    if not values:
-        return "      n/a"
-    ms = [v * 1000 for v in values]
-    return f"{statistics.fmean(ms):8.1f} {percentile(ms, 50):8.1f} {percentile(ms, 99):8.1f}"
-
-
-def make_prompts(n: int, input_len: int, vocab_low: int, vocab_high: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    lengths = [max(1, int(input_len * rng.uniform(0.5, 1.5))) for _ in range(n)]
-    return [[rng.randrange(vocab_low, vocab_high) for _ in range(length)] for length in lengths]
-
-
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int,
-                      timeout: float) -> RequestResult:
-    body = {
-        "input_ids": prompt,
-        "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True},
-        "stream": True,
-    }
-    start = time.perf_counter()
-    last = start
-    result = RequestResult(ok=False)
-    try:
-        async with session.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            if resp.status != 200:
-                result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return result
-            seen = 0
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    result.error = str(event["error"])[:200]
-                    return result
-                new = len(event.get("output_ids", []))  # each event carries only its new ids
-                if new:
-                    now = time.perf_counter()
-                    if seen == 0:
-                        result.ttft = now - start
-                    else:
-                        # Tokens that arrive together share the gap since the last event.
-                        result.itls.extend([(now - last) / new] * new)
-                    last, seen = now, seen + new
-            result.output_tokens = seen
-            result.e2e = time.perf_counter() - start
-            result.ok = seen > 0
-            if not result.ok:
-                result.error = "no tokens"
-    except (TimeoutError, aiohttp.ClientError) as e:
-        result.error = f"{type(e).__name__}: {e}"[:200]
-    return result
-
-
-async def run_level(url: str, prompts: list[list[int]], concurrency: int, output_len: int,
-                    timeout: float) -> LevelResult:
-    gate = asyncio.Semaphore(concurrency)
-    async with aiohttp.ClientSession() as session:
-        async def bounded(prompt):
-            async with gate:
-                return await one_request(session, url, prompt, output_len, timeout)
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(bounded(p) for p in prompts))
-        return LevelResult(concurrency, list(results), time.perf_counter() - start)
-
-
-def print_levels(levels: list[LevelResult]) -> None:
-    print(f"{'conc':>4} {'ok':>4} {'fail':>4} {'out tok/s':>10} | {'TTFT ms mean/p50/p99':>26} | "
-          f"{'TPOT ms mean/p50/p99':>26} | {'ITL ms mean/p50/p99':>26}")
-    for level in levels:
-        good = level.good
-        tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in good if r.output_tokens > 1]  # per request
-        itls = [v for r in good for v in r.itls]
-        print(f"{level.concurrency:>4} {len(good):>4} {len(level.results) - len(good):>4} "
-              f"{level.output_tok_s:>10.1f} | {summarize([r.ttft for r in good])} | {summarize(tpots)} | "
-              f"{summarize(itls)}")
-        for r in level.results:
-            if not r.ok:
-                print(f"     failure: {r.error}")
-                break
-
-
-def tpot(level: LevelResult) -> float:
-    """Mean time per output token after the first: the decode step, seen from the client."""
-    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in level.good if r.output_tokens > 1]
-    return statistics.fmean(tpots) if tpots else float("nan")
-
-
-def tp_decode_step(model_dir: Path, server_args: list[str], prompts: list[list[int]], output_len: int,
-                   timeout: float) -> float:
-    """The concurrency-1 decode step of a `--tp-size 2` server on the same checkpoint and prompts."""
-    server = ServerProcess(model_dir, [*server_args, "--tp-size", "2"], ready_timeout=300)
-    try:
-        server.wait_ready()
-        return tpot(asyncio.run(run_level(server.url, prompts, 1, output_len, timeout)))
-    finally:
-        server.stop()
-
-
-def hf_baseline(model_dir: Path, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
-    """(output tok/s, mean TTFT s) of HF transformers' generate, one prompt at a time."""
-    import torch
-    from transformers import DeepseekV4ForCausalLM
-
-    torch.manual_seed(0)
-    model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    tokens, ttfts, start = 0, [], time.perf_counter()
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            t0 = time.perf_counter()
-            model(ids)  # the prefill alone, for TTFT
-            ttfts.append(time.perf_counter() - t0)
-            out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
-            tokens += out.shape[1] - ids.shape[1]
-    elapsed = time.perf_counter() - start - sum(ttfts)
-    return tokens / elapsed, statistics.fmean(ttfts)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """A `dsv4 serve` child process that is always stopped."""
-
-    def __init__(self, model_dir: Path, extra: list[str], ready_timeout: float):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "dsv4", "serve", "--model", str(model_dir), "--port", str(self.port), *extra]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        self.ready_timeout = ready_timeout
-
-    def wait_ready(self) -> None:
-        import urllib.request
-
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.url + "/health/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not ready within {self.ready_timeout}s")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+QUICK = {"input_len": 128, "output_len": 16, "max_concurrency": "1,4", "request_rate": "2,inf", "num_prompts": 4,
+         "gsp_num_groups": 2, "gsp_prompts_per_group": 2, "gsp_system_prompt_len": 256, "gsp_question_len": 32,
+         "storm_concurrency": 4, "storm_output_len": 24, "storm_after_tokens": 4}
+DEFAULTS = {"input_len": 256, "output_len": 32, "max_concurrency": "1,4,8,16,32", "request_rate": "1,2,4,inf",
+            "num_prompts": 0, "gsp_num_groups": 4, "gsp_prompts_per_group": 4, "gsp_system_prompt_len": 512,
+            "gsp_question_len": 64, "storm_concurrency": 16, "storm_output_len": 64, "storm_after_tokens": 8}
 
 
 def small_checkpoint() -> Path:
@@ -242,78 +59,182 @@ def small_checkpoint() -> Path:
     return path
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    target = parser.add_mutually_exclusive_group()
-    target.add_argument("--url", help="sweep an already running server")
-    target.add_argument("--model", type=Path, help="start a server on this checkpoint")
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="load an already running server")
+    target.add_argument("--model", type=Path, help="start servers on this checkpoint")
     target.add_argument("--suite", action="store_true", help="the `make bench` suite on the small checkpoint")
-    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
-    parser.add_argument("--prompts-per-level", type=int, default=0, help="default: the concurrency, at least 4")
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--baseline", choices=["none", "hf"], default="none")
-    parser.add_argument("--server-args", default="--dtype float32", help="extra `dsv4 serve` flags")
-    parser.add_argument("--request-timeout", type=float, default=600)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    p.add_argument("--quick", action="store_true", help="smaller defaults everywhere (flags given still win)")
+    p.add_argument("--dtype", default=None, help="comma-separated (default: float32; the suite: float32,bfloat16)")
+    p.add_argument("--dataset-name", default="random", help=f"comma-separated, of {', '.join(DATASETS)}")
+    p.add_argument("--random-input-len", "--input-len", dest="input_len", type=int)
+    p.add_argument("--random-output-len", "--output-len", dest="output_len", type=int)
+    p.add_argument("--num-prompts", type=int, help="per run (default: max(2, concurrency); a rate run 16)")
+    p.add_argument("--max-concurrency", help="the concurrency sweep, comma-separated ('' skips it)")
+    p.add_argument("--request-rate", help="the rate sweep in req/s, comma-separated, inf allowed ('' skips it)")
+    p.add_argument("--gsp-num-groups", type=int)
+    p.add_argument("--gsp-prompts-per-group", type=int)
+    p.add_argument("--gsp-system-prompt-len", type=int)
+    p.add_argument("--gsp-question-len", type=int)
+    p.add_argument("--shared-prefix-concurrency", type=int, default=8, help="one shared-prefix run (0 skips it)")
+    p.add_argument("--storm-concurrency", type=int, help="streams in the abort storm (0 skips it)")
+    p.add_argument("--storm-output-len", type=int)
+    p.add_argument("--storm-after-tokens", type=int, help="the storm lands once every stream has this many")
+    p.add_argument("--storm-abort-fraction", type=float, default=0.75)
+    p.add_argument("--baseline", choices=["none", "hf"], default="hf", help="HF needs --model or --suite")
+    p.add_argument("--server-args", default="", help="extra `dsv4 serve` flags (--server-args=\"--flag value\")")
+    p.add_argument("--no-tp-compare", action="store_true", help="suite: skip the --tp-size 2 decode step")
+    p.add_argument("--no-kernels", action="store_true", help="suite: skip the kernel benchmark")
+    p.add_argument("--bandwidth-gib", type=float, default=1.0, help="the memory bandwidth test's size")
+    p.add_argument("--output-dir", type=Path, help="default: bench_results/<timestamp>")
+    p.add_argument("--request-timeout", type=float, default=600)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.dtype = (args.dtype or ("float32,bfloat16" if args.suite else "float32")).split(",")
+    args.dataset_name = args.dataset_name.split(",")
+    if unknown := set(args.dataset_name) - set(DATASETS):
+        p.error(f"--dataset-name: unknown {sorted(unknown)}; expected {', '.join(DATASETS)}")
+    args.max_concurrency = [int(c) for c in args.max_concurrency.split(",") if c]
+    args.request_rate = [float(r) for r in args.request_rate.split(",") if r]
+    if args.url:
+        args.baseline = "none"
+    args.output_dir = args.output_dir or ROOT / "bench_results" / time.strftime("%Y%m%d-%H%M%S")
+    return args
 
-    model_dir = small_checkpoint() if args.suite else args.model
-    if args.suite:
-        args.baseline = "hf"
-    levels = [int(c) for c in args.concurrency.split(",")]
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"] if model_dir else 256
-    # Skip the special tokens at the bottom of the vocabulary so prompts are plain text bytes.
-    prompt_sets = {
-        c: make_prompts(args.prompts_per_level or max(4, c), args.input_len, 64, min(vocab, 300), args.seed + c)
-        for c in levels
-    }
 
-    server = None
-    url = args.url
-    if model_dir is not None:
-        server = ServerProcess(model_dir, args.server_args.split(), ready_timeout=300)
-    try:
-        if server is not None:
-            server.wait_ready()
-            url = server.url
-        results = [asyncio.run(run_level(url, prompt_sets[c], c, args.output_len, args.request_timeout))
-                   for c in levels]
-    finally:
-        if server is not None:
-            server.stop()
-    print(f"\ndsv4 serving benchmark ({url}; input ~{args.input_len}, output {args.output_len} tokens)")
-    print_levels(results)
+def plan(args) -> tuple[list[Run], list[Run]]:
+    """The runs of every dtype, and those the last dtype adds."""
+    hf = args.baseline == "hf"
+    every = [Run(d, c, hf=hf) for d in args.dataset_name for c in args.max_concurrency]
+    last = [Run(d, None, rate) for d in args.dataset_name for rate in args.request_rate]
+    if args.shared_prefix_concurrency:
+        last.append(Run("generated-shared-prefix", args.shared_prefix_concurrency, sweep=False))
+    return every, last
 
-    if args.baseline == "hf":
-        if model_dir is None:
-            parser.error("--baseline hf needs --model or --suite")
-        # HF generate serves one request at a time, so its throughput is the same at every level:
-        # measure it once, on the first level's prompts, and compare every level against it.
-        hf_prompts = prompt_sets[levels[0]]
-        hf_tok_s, hf_ttft = hf_baseline(model_dir, hf_prompts, args.output_len)
-        print(f"\nHF transformers baseline: same checkpoint, fp32, {len(hf_prompts)} of the same prompts one at a "
-              f"time: {hf_tok_s:.1f} output tok/s, TTFT {hf_ttft * 1000:.1f} ms")
-        print(f"{'conc':>4} {'dsv4 tok/s':>11} {'HF tok/s':>9} {'ratio':>7} | "
-              f"{'dsv4 TTFT ms':>12} {'HF TTFT ms':>11} {'ratio':>7}")
-        for level in results:
-            ttft = statistics.fmean([r.ttft for r in level.good]) if level.good else float("nan")
-            print(f"{level.concurrency:>4} {level.output_tok_s:>11.1f} {hf_tok_s:>9.1f} "
-                  f"{level.output_tok_s / hf_tok_s:>6.2f}x | {ttft * 1000:>12.1f} {hf_ttft * 1000:>11.1f} "
-                  f"{hf_ttft / ttft:>6.2f}x")
-    if args.suite and 1 in levels:
-        # On a 2-core machine the two ranks share the cores the one rank had: a figure, not a target.
-        one = tpot(results[levels.index(1)])
-        two = tp_decode_step(model_dir, args.server_args.split(), prompt_sets[1], args.output_len,
-                             args.request_timeout)
-        print(f"\ndecode step at concurrency 1: TP=1 {one * 1000:.1f} ms, TP=2 {two * 1000:.1f} ms "
-              f"(TP=2 / TP=1 = {two / one:.2f})")
-    if args.suite:
+
+def decode_bound(model_dir: Path, dtypes: list[str], gib: float) -> tuple[dict, dict]:
+    """The machine's memory bandwidth, and per dtype the decode step's floor: weight bytes / bandwidth."""
+    from bench.baseline import decode_weight_bytes, memory_bandwidth
+
+    bandwidth = memory_bandwidth(gib)
+    print(f"\nmemory bandwidth (best of 5 over {gib:g} GiB): read {bandwidth['read_gbps']:.1f} GB/s, "
+          f"copy {bandwidth['copy_gbps']:.1f} GB/s", flush=True)
+    bound = {}
+    for dtype in dtypes:
+        weight_bytes = decode_weight_bytes(model_dir, dtype)
+        bound[dtype] = weight_bytes / (bandwidth["read_gbps"] * 1e9)
+        bandwidth[f"decode_weight_bytes_{dtype}"] = weight_bytes
+    return bandwidth, bound
+
+
+def print_bound(results, c1: Run, bandwidth: dict, bound: dict) -> None:
+    for r in results:
+        record = r.get("dsv4", c1)
+        if record is None:
+            continue
+        step = record["mean_tpot_ms"]
+        floor = bound[r.dtype] * 1000
+        print(f"decode step c=1 ({r.dtype}): {step:.1f} ms; weights read per step "
+              f"{bandwidth[f'decode_weight_bytes_{r.dtype}'] / 1e6:.1f} MB / {bandwidth['read_gbps']:.1f} GB/s "
+              f"= {floor:.2f} ms floor; the step takes {step / floor:.1f}x the floor")
+
+
+def tp_compare(model_dir: Path, args, work: Workload, results: Results, c1: Run, prompts: list[list[int]],
+               fp32_c1: dict | None) -> dict | None:
+    """The concurrency-1 decode step of a `--tp-size 2` server against TP=1 (float32, same prompts).
+    On a 2-core machine the two ranks share the cores the one rank had: a figure, not a target."""
+    if fp32_c1 is None:
+        return None
+    server = ServerProcess(model_dir, ["--dtype", "float32", "--tp-size", "2", *args.server_args.split()],
+                           600, results.folder / "server-float32-tp2.log")
+    with server:
+        done, _ = asyncio.run(run_load(server.url, prompts, work.output_len, work.request_timeout, c1.concurrency))
+    steps = [r.tpot for r in done if r.ok and r.tpot is not None]
+    two = sum(steps) / len(steps) * 1000 if steps else math.nan
+    one = fp32_c1["mean_tpot_ms"]
+    print(f"\ndecode step at concurrency 1 (float32): TP=1 {one:.1f} ms, TP=2 {two:.1f} ms "
+          f"(TP=2 / TP=1 = {two / one:.2f}); TP=2 ready in {server.ready_seconds:.1f} s")
+    return {"tp1_ms": one, "tp2_ms": two, "tp2_startup_s": server.ready_seconds}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.model_dir = small_checkpoint() if args.suite else args.model
+    work = Workload(input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
+                    gsp_num_groups=args.gsp_num_groups, gsp_prompts_per_group=args.gsp_prompts_per_group,
+                    gsp_system_prompt_len=args.gsp_system_prompt_len, gsp_question_len=args.gsp_question_len,
+                    request_timeout=args.request_timeout, seed=args.seed)
+    storm = Storm(args.storm_concurrency, args.storm_output_len, args.storm_abort_fraction,
+                  args.storm_after_tokens) if args.storm_concurrency else None
+    every, last = plan(args)
+    results = Results(args.output_dir)
+    print(f"results: {results.folder}", flush=True)
+    summary: dict = {"kind": "summary", "args": {k: str(v) for k, v in vars(args).items()}}
+
+    if args.url:
+        from bench.runner import DtypeResult, measure_server
+
+        out = DtypeResult("server")
+        measure_server(args.url, "server", every + last, work, results, out, storm)
+        per_dtype = [out]
+    else:
+        bandwidth, bound = decode_bound(args.model_dir, args.dtype, args.bandwidth_gib)
+        summary.update(bandwidth=bandwidth, decode_floor_s=bound)
+        per_dtype = [measure_dtype(args.model_dir, dtype, args.server_args.split(),
+                                   every + (last if i == len(args.dtype) - 1 else []), work, results,
+                                   storm if i == len(args.dtype) - 1 else None)
+                     for i, dtype in enumerate(args.dtype)]
+        summary["startup_s"] = {r.dtype: r.startup_s for r in per_dtype}
+
+    for r in per_dtype:
+        print(f"\n{r.dtype}: dsv4 against HF (x: dsv4's speedup; medians)")
+        print(ratio_table(r, every + last))
+        if r.storm is not None:
+            summary["abort_storm"] = {k: v for k, v in r.storm.items() if k != "points"}
+    plots = draw_all(results.folder)  # before the TP=2 server: a failure there leaves the plots drawn
+    print("\nplots: " + ", ".join(str(p) for p in plots))
+    random_runs = [run for run in every if run.dataset == "random"]
+    if not args.url and random_runs:
+        c1 = next((run for run in random_runs if run.concurrency == 1), None)
+        if c1 is not None:
+            print()
+            print_bound(per_dtype, c1, bandwidth, bound)
+        if args.suite and c1 is not None and args.baseline == "hf":
+            widest = max(random_runs, key=lambda run: run.concurrency)
+            rows = target_rows(per_dtype, c1, widest, args.input_len, bound)
+            summary["targets"] = rows
+            print("\nissue 12 targets (same run; HF/bound column: HF's figure, or the bandwidth floor)")
+            print(format_targets(rows))
+        fp32 = next((r for r in per_dtype if r.dtype == "float32"), None)
+        if args.suite and not args.no_tp_compare and c1 is not None and fp32 is not None:
+            summary["tp_compare"] = tp_compare(args.model_dir, args, work, results, c1,
+                                               prompts_for(c1, work, every.index(c1)), fp32.get("dsv4", c1))
+    results.save("summary", summary)
+
+    if args.suite and not args.no_kernels:
         bench_kernels = ROOT / "scripts" / "bench_kernels.py"
-        if bench_kernels.exists():
-            print("\nkernel benchmark (CPU fast path vs reference)", flush=True)
-            subprocess.run([sys.executable, str(bench_kernels), "--device", "cpu"], cwd=ROOT, timeout=600, check=True)
-    return 0 if all(level.good for level in results) else 1
+        print("\nkernel benchmark (CPU fast path vs reference)", flush=True)
+        extra = ["--repeats", "1"] if args.quick else []
+        subprocess.run([sys.executable, str(bench_kernels), "--device", "cpu", *extra], cwd=ROOT, timeout=900,
+                       check=True)
+    return 0 if healthy(per_dtype) else 1
+
+
+def healthy(per_dtype) -> bool:
+    """Every dsv4 request completed, and the storm's survivors did and left the server ready and empty."""
+    for r in per_dtype:
+        for (backend, _), record in r.runs.items():
+            if backend == "dsv4" and (record["failed"] or not record["completed"]):
+                return False
+        storm = r.storm
+        if storm is not None and (storm["survivors_completed"] != storm["concurrency"] - storm["aborted"]
+                                  or not storm["ready_after"] or any(storm["held_after"].values())):
+            return False
+    return True
 
 
 if __name__ == "__main__":

@@ -1,0 +1,122 @@
+"""What dsv4 is measured against in the same run: HF transformers' batched `generate` on the same
+checkpoint and prompts, the machine's memory bandwidth, and the weight bytes a decode step reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import torch
+from transformers import DeepseekV4ForCausalLM
+from transformers.generation.streamers import BaseStreamer
+from transformers.utils import logging as hf_logging
+
+from bench.metrics import RequestResult
+from dsv4.config import ModelConfig, expected_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_ROUTED_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+class _StepClock(BaseStreamer):
+    """`generate` hands the streamer the prompt first, then each step's new tokens (the whole
+    batch's): the times of those calls are the batch's token arrivals."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class HFBaseline:
+    """`DeepseekV4ForCausalLM` loaded from a dsv4 checkpoint directory (HF reads its config and
+    official tensor names), run greedily in batches of equal-length prompts: no padding."""
+
+    def __init__(self, model_dir: Path, dtype: str):
+        hf_logging.disable_progress_bar()
+        self.model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype]).eval()
+        self.threads = torch.get_num_threads()  # torch's default, as the server's: every core
+        self.eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id", 1)
+        self.generate([[16] * 8], 2)  # first-call costs (allocator, lazy inits) stay out of the figures
+
+    @torch.inference_mode()
+    def generate(self, batch: list[list[int]], output_len: int) -> list[RequestResult]:
+        """One `generate` over `batch`; each request's TTFT is the batch's prefill, its ITLs the steps."""
+        ids = torch.tensor(batch)
+        clock = _StepClock()
+        start = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                                  min_new_tokens=output_len, do_sample=False, streamer=clock, pad_token_id=self.eos)
+        new = out.shape[1] - ids.shape[1]
+        tokens = clock.times[1:]  # [0] is the prompt
+        if new != output_len or len(tokens) != new:
+            return [RequestResult(ok=False, prompt_tokens=len(p), error=f"HF generated {new} tokens") for p in batch]
+        itls = [b - a for a, b in itertools.pairwise(tokens)]
+        return [RequestResult(ok=True, prompt_tokens=len(p), output_tokens=new, ttft=tokens[0] - start,
+                              e2e=tokens[-1] - start, itls=list(itls)) for p in batch]
+
+    def run(self, prompts: list[list[int]], batch_size: int, output_len: int) -> tuple[list[RequestResult], float]:
+        """The prompts in batches of `batch_size`, one after another (HF serves one batch at a time)."""
+        results, start = [], time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            results += self.generate(prompts[i:i + batch_size], output_len)
+        return results, time.perf_counter() - start
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict[str, float]:
+    """GB/s of a sum over `gib` GiB of float32 (reads only, as a decode step's weight reads are) and
+    of a copy of it (a read and a write per byte), best of `repeats`: the least disturbed run."""
+    src = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * 4
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    read = nbytes / best(src.sum) / 1e9
+    copy = 2 * nbytes / best(lambda: dst.copy_(src)) / 1e9
+    return {"read_gbps": read, "copy_gbps": copy, "bytes": nbytes}
+
+
+def decode_weight_bytes(model_dir: Path, dtype: str) -> int:
+    """Parameter bytes one decode step of one token reads, in the model's dtype.
+
+    Every tensor is read whole except: the embedding (one row, the token's), the hash layers'
+    token-to-expert table (one row), the compressors' absolute position embeddings `ape` (one row,
+    the position's phase in the ratio), and the routed experts (only the `num_experts_per_tok`
+    chosen ones: top-k by the gate, or by the table in hash layers). The shared experts, the gate,
+    the attention, indexer and compressor projections, norms, hyper-connections and the LM head are
+    read whole. So, with E = num_experts_per_tok and w(t) = numel(t) * itemsize:
+        bytes = sum of w(t) over dense tensors + d * itemsize (embedding row)
+              + sum over layers of E * w(one routed expert's w1, w2, w3)
+    The KV cache the step reads (window, compressed rows, index keys) is state, not weights, and is
+    left out: at a 256-token context it is small next to the weights.
+    """
+    cfg = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    itemsize = DTYPES[dtype].itemsize
+    total = 0
+    for name, shape in expected_weights(cfg).items():
+        routed = _ROUTED_EXPERT.search(name)
+        if routed and int(routed.group(1)) >= cfg.num_experts_per_tok:
+            continue  # a routed expert the token does not choose (any E of them weigh the same)
+        if name.endswith("tid2eid"):
+            total += shape[-1] * 8  # one int64 row
+        elif name == "embed.weight" or name.endswith(".ape"):
+            total += shape[-1] * itemsize  # one row
+        else:
+            total += math.prod(shape) * itemsize
+    return total

@@ -1,0 +1,69 @@
+"""The serving benchmark's metric math on fixed numbers (scripts/bench/metrics.py)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+from bench.client import Stream
+from bench.metrics import RequestResult, metric_keys, percentile, ratio, summarize
+
+
+def test_percentiles_interpolate_between_ranks_like_numpy():
+    values = [float(v) for v in range(10, 0, -1)]  # 10..1, unsorted on purpose
+    assert percentile(values, 50) == pytest.approx(5.5)
+    assert percentile(values, 90) == pytest.approx(9.1)
+    assert percentile(values, 99) == pytest.approx(9.91)
+    assert percentile(values, 0) == 1 and percentile(values, 100) == 10
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_tpot_excludes_the_first_token_and_itl_splits_a_multi_token_event():
+    stream = Stream([5] * 4)
+    stream.sent = 100.0
+    stream.events = [(100.5, 1), (100.7, 1), (101.3, 2)]  # TTFT 0.5 s; then 0.2 s, then 0.6 s for two tokens
+    stream.finish_reason = "length"
+    r = stream.result()
+    assert r.ok and r.output_tokens == 4 and r.prompt_tokens == 4
+    assert r.ttft == pytest.approx(0.5) and r.e2e == pytest.approx(1.3)
+    assert r.tpot == pytest.approx((1.3 - 0.5) / 3)
+    assert r.itls == pytest.approx([0.2, 0.3, 0.3])
+
+
+def test_a_stream_that_ended_without_length_or_stop_is_a_failure():
+    stream = Stream([5])
+    stream.events = [(1.0, 1)]
+    stream.finish_reason = "abort"
+    assert not stream.result().ok and "abort" in stream.result().error
+
+
+def test_summary_counts_only_completed_requests_and_divides_by_wall_time():
+    results = [
+        RequestResult(ok=True, prompt_tokens=10, output_tokens=5, ttft=0.1, e2e=0.5, itls=[0.1] * 4),
+        RequestResult(ok=True, prompt_tokens=10, output_tokens=3, ttft=0.3, e2e=0.7, itls=[0.2] * 2),
+        RequestResult(ok=False, prompt_tokens=10, error="HTTP 500"),
+    ]
+    s = summarize(results, duration=2.0)
+    assert set(metric_keys()) <= set(s)
+    assert (s["completed"], s["failed"], s["errors"]) == (2, 1, ["HTTP 500"])
+    assert s["total_input_tokens"] == 20 and s["total_output_tokens"] == 8
+    assert s["request_throughput"] == pytest.approx(1.0)
+    assert s["output_throughput"] == pytest.approx(4.0)
+    assert s["total_token_throughput"] == pytest.approx(14.0)
+    assert s["mean_ttft_ms"] == pytest.approx(200.0) and s["median_ttft_ms"] == pytest.approx(200.0)
+    assert s["p90_ttft_ms"] == pytest.approx(280.0)
+    assert s["mean_tpot_ms"] == pytest.approx(150.0)  # (0.4/4 + 0.4/2) / 2
+    assert s["mean_itl_ms"] == pytest.approx(800 / 6)  # over all six gaps, not per request
+    assert s["median_itl_ms"] == pytest.approx(100.0)
+    assert s["p99_e2e_ms"] == pytest.approx(698.0)
+
+
+def test_ratio_is_nan_where_a_side_is_missing():
+    assert ratio(6.0, 2.0) == 3.0
+    assert math.isnan(ratio(1.0, 0.0)) and math.isnan(ratio(math.nan, 1.0)) and math.isnan(ratio(1.0, math.nan))

@@ -5,7 +5,7 @@
 - `faults.py`: the test-only `--fault-inject` grammar.
 """
 
-from dsv4.config.faults import FRAME_KINDS, FaultInjection, FrameFault, RankDelay, parse_duration
+from dsv4.config.faults import FRAME_KINDS, CopyDelay, FaultInjection, FrameFault, RankDelay, parse_duration
 from dsv4.config.model import (
     CSA,
     HCA,
@@ -20,6 +20,7 @@ from dsv4.config.model import (
 from dsv4.config.server_args import DTYPES, ServerArgs
 
 __all__ = [
-    "CSA", "DTYPES", "FRAME_KINDS", "HCA", "LAYER_KIND_BY_RATIO", "WINDOW", "ConfigError", "FaultInjection",
+    "CSA", "DTYPES", "FRAME_KINDS", "HCA", "LAYER_KIND_BY_RATIO", "WINDOW", "ConfigError", "CopyDelay",
+    "FaultInjection",
     "FrameFault", "ModelConfig", "RankDelay", "ServerArgs", "YarnScaling", "cache_dir", "expected_weights", "parse_duration",
 ]

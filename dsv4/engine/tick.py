@@ -229,6 +229,10 @@ class Ticker:
                 )
                 self._end(req, started)
         plan = self.scheduler.schedule()
+        for req in self.scheduler.take_failed():  # a host-tier load of a page it shares failed its check
+            self._metrics.request_errors.labels(stage="hicache_load").inc()
+            log.error("request %s: %s", req.rid, req.error)
+            self._end(req, started)
         for rid in plan.retracted:
             self.scheduler.get(rid).retracted_at = started
         self._metrics.preemptions.inc(len(plan.retracted))

@@ -78,10 +78,12 @@ class HostTier:
 
     def load(self, unit: Handle, checksum: int, page: Handle, snapshot: Handle) -> Fence:
         """Copies host `unit` into a device page and snapshot; with `verify`, the job fails unless the
-        device bytes have `checksum` (taken when the unit was written)."""
+        device bytes have `checksum` (taken when the unit was written). The page's index-key rows are
+        fingerprinted as written (`--verify-indexer`) before the fence is set."""
         host = self.pool.unit(unit.id, unit.generation)
         return self._copies.submit("hicache_load", list(zip(self._device(page, snapshot), host, strict=True)),
-                                   expect=checksum if self.verify else None)
+                                   expect=checksum if self.verify else None,
+                                   then=lambda: self._pools.record_page_index_keys(page.id))
 
     def observe(self, fence: Fence) -> None:
         self.copy_bytes[fence.kind] = self.copy_bytes.get(fence.kind, 0) + fence.nbytes

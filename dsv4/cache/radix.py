@@ -258,16 +258,26 @@ class RadixCache:
         """A free host unit, dropping the least recently used host copy nobody needs if none is free:
         no copy in flight, and either a device copy remains or the node is an unreferenced leaf."""
         units = self.host.units
-        if units.num_free == 0:
+        if units.num_free == 0 and not self.evict_host(1):
+            return None
+        return units.allocate(CACHE_OWNER)[0]
+
+    def evict_host(self, count: int) -> int:
+        """Drops up to `count` host copies nobody needs, least recently used first: no copy in flight,
+        and either the device copy remains or the node is an unreferenced leaf (which then leaves the
+        tree). Returns how many."""
+        evicted = 0
+        while evicted < count:
             victims = [n for n in self._nodes() if n.host is not None and n.copy is None
                        and (n.page is not None or (n.refs == 0 and not n.children))]
             if not victims:
-                return None
+                break
             victim = min(victims, key=lambda n: n.last_use)
             self._drop_host(victim)
-            self.evicted_host_pages += 1
             self._remove_if_empty(victim)
-        return units.allocate(CACHE_OWNER)[0]
+            evicted += 1
+        self.evicted_host_pages += evicted
+        return evicted
 
     # -- eviction ------------------------------------------------------------------------------------
     def evict(self, count: int) -> int:

@@ -22,7 +22,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +65,7 @@ class _Job:
     fence: Fence = field(compare=False)
     checksum: bool = field(compare=False)
     expect: int | None = field(compare=False)
+    then: Callable[[], None] | None = field(compare=False)
 
 
 class CopyEngine:
@@ -81,17 +82,18 @@ class CopyEngine:
         self._thread.start()
 
     def submit(self, kind: str, copies: Sequence[tuple[torch.Tensor, torch.Tensor]], *, checksum: bool = False,
-               expect: int | None = None) -> Fence:
+               expect: int | None = None, then: Callable[[], None] | None = None) -> Fence:
         """Queues `copies` (destination, source) as one job of `kind` ("hicache_load" or
         "hicache_write"); `checksum`: record the destination's CRC-32 on the fence; `expect`: fail
-        the job unless the destination's CRC-32 equals it."""
+        the job unless the destination's CRC-32 equals it; `then`: run on the copy thread once the
+        bytes have landed (and passed the check), before the fence is set."""
         fence = Fence(kind, sum(dst.numel() * dst.element_size() for dst, _ in copies))
         delay = sum(d.seconds for d in self._delays if d.kind == kind and self._random.random() < d.probability)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the host-tier copy engine is closed")
             self._seq += 1
-            heapq.heappush(self._jobs, _Job(time.monotonic() + delay, self._seq, copies, fence, checksum, expect))
+            heapq.heappush(self._jobs, _Job(time.monotonic() + delay, self._seq, copies, fence, checksum, expect, then))
             self._cv.notify()
         return fence
 
@@ -140,4 +142,6 @@ class CopyEngine:
             if job.expect is not None and job.fence.checksum != job.expect:
                 error = (f"checksum mismatch: the {job.fence.nbytes} bytes loaded have CRC-32 "
                          f"{job.fence.checksum:#010x}, written with {job.expect:#010x}")
+        if error is None and job.then is not None:
+            job.then()
         job.fence._complete(error)

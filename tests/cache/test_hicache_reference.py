@@ -15,7 +15,6 @@ from dsv4.cache.radix import CACHE_OWNER
 from dsv4.config import ServerArgs
 from dsv4.engine.engine import Engine
 from dsv4.engine.launch import load_model
-from dsv4.protocol import GenerationRequest, SamplingParams
 from dsv4.tiny import make_tiny
 from tests.cache.test_prefix_cache_reference import generate, indexer_mismatches
 from tests.engine.test_engine_reference import VARIANTS, assert_matches_reference

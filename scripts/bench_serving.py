@@ -313,6 +313,9 @@ def main() -> int:
         if bench_kernels.exists():
             print("\nkernel benchmark (CPU fast path vs reference)", flush=True)
             subprocess.run([sys.executable, str(bench_kernels), "--device", "cpu"], cwd=ROOT, timeout=600, check=True)
+        print("\nprefix cache (device and host tier TTFT, shared-prefix hit rate)", flush=True)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_prefix_cache.py"), "--preset", "small"],
+                       cwd=ROOT, timeout=1800, check=True)
     return 0 if all(level.good for level in results) else 1
 
 

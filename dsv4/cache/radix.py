@@ -12,8 +12,8 @@ Tiers. A node holds its state on the device (a page and a snapshot unit), on the
 unit: page and snapshot together, with the CRC-32 taken when it was written), or both. Device
 copies form a top-closed part of the tree (a node leaves the device only once none of its children
 is there), so a matched path is device nodes then host nodes. A host node is loaded back into
-freshly taken device units by one copy job; until its fence completes (`loading`) no forward may
-read it. A node being written to the host is not evicted from the device until that write
+freshly taken device units by one copy job, started (`start_pending`) once the plan that hands
+those units out has been applied; until its fence completes (`loading`) no forward may read it. A node being written to the host is not evicted from the device until that write
 completes: eviction waits for the fence. `write_through` writes a node when it joins the cache
 (device eviction then only drops the device copy); `write_back` writes it when it is evicted.
 
@@ -50,7 +50,8 @@ class CopyTimeout(RuntimeError):
 
 
 class Copy:
-    """A node's copy in flight: a load into `page`/`snapshot` from `unit`, or a write of them into `unit`."""
+    """A node's copy in flight: a load into `page`/`snapshot` from `unit`, or a write of them into `unit`
+    (`fence`: None while a recorded load has not started)."""
 
     __slots__ = ("fence", "kind", "page", "snapshot", "unit")
 
@@ -101,7 +102,8 @@ class RadixCache:
         self._snapshots = snapshots
         self.host = host
         self._roots: dict[tuple[int, ...], CacheNode] = {}
-        self._in_flight: list[CacheNode] = []  # nodes with a copy not yet applied
+        self._pending: list[CacheNode] = []  # nodes with a load recorded, its copy not started yet
+        self._in_flight: list[CacheNode] = []  # nodes with a copy started, not yet applied
         self._use = 0  # a logical clock for LRU: no wall clock in the scheduler's decisions
         self.num_nodes = 0  # nodes with a device copy (complete or loading)
         self.num_unreferenced = 0  # of those, refs == 0: each one's page can be evicted
@@ -193,16 +195,27 @@ class RadixCache:
 
     # -- the host tier ---------------------------------------------------------------------------------
     def load(self, node: CacheNode, page: Handle, snapshot: Handle) -> None:
-        """Starts loading host node `node` (held by the caller) into `page` and `snapshot`, which
-        become the cache's; `node.loading` until `poll` sees the copy complete."""
+        """Records a load of host node `node` (held by the caller) into `page` and `snapshot`, which
+        become the cache's; `node.loading` until `poll` sees the copy complete. The copy starts at
+        `start_pending`: `page` and `snapshot` were just taken, and the pools accept them only once
+        the plan that hands them out has been applied."""
         if node.page is not None or node.host is None or node.copy is not None or node.refs <= 0:
             raise AllocatorError(f"{node} cannot be loaded (held, on the host only, no copy in flight)")
         self._pages.reassign(page, CACHE_OWNER)
         self._snapshots.reassign(snapshot, CACHE_OWNER)
         node.page, node.snapshot = page, snapshot
         self.num_nodes += 1
-        node.copy = Copy(LOAD, self.host.load(node.host, node.checksum, page, snapshot), page, snapshot, node.host)
-        self._in_flight.append(node)
+        node.copy = Copy(LOAD, None, page, snapshot, node.host)
+        self._pending.append(node)
+
+    def start_pending(self) -> None:
+        """Starts the copies of the loads recorded since the last call. Call it once the pools know
+        the units those loads name: after the plan that handed them out was applied."""
+        for node in self._pending:
+            copy = node.copy
+            copy.fence = self.host.load(copy.unit, node.checksum, copy.page, copy.snapshot)
+            self._in_flight.append(node)
+        self._pending.clear()
 
     def poll(self) -> None:
         """Applies every copy that has completed (non-blocking)."""
@@ -247,9 +260,14 @@ class RadixCache:
         self._remove_if_empty(node)
 
     def _wait(self, nodes: list[CacheNode]) -> None:
-        """Until every copy in flight of `nodes` has completed and been applied (bounded)."""
+        """Until every copy in flight of `nodes` has completed and been applied (bounded); a load that
+        never started is dropped instead (the node keeps its host copy)."""
         for node in nodes:
-            if node.copy is not None:
+            if node in self._pending:
+                self._pending.remove(node)
+                node.copy = None
+                self._drop_device(node, evicted=False)
+            elif node.copy is not None:
                 if not node.copy.fence.wait(COPY_WAIT_S):
                     raise CopyTimeout(f"the host-tier {node.copy.kind} of {node} did not complete in {COPY_WAIT_S} s")
                 self._complete(node)
@@ -358,6 +376,6 @@ class RadixCache:
         if self.host is not None:
             debug.update(host_cached_pages=self.num_host, host_free_pages=self.host.units.num_free,
                          host_total_pages=self.host.units.capacity,
-                         loads_in_flight=sum(1 for n in self._in_flight if n.loading),
+                         loads_in_flight=len(self._pending) + sum(1 for n in self._in_flight if n.loading),
                          writes_in_flight=sum(1 for n in self._in_flight if not n.loading))
         return debug

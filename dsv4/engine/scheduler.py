@@ -44,12 +44,14 @@ position before its start_pos, and every compressed row lives in the page of its
 token, so a shared page is never written. Unreferenced cached pages count as free for admission
 and retraction, and are evicted (LRU) when pages are taken.
 
-Host tier (HiCache). A hit may include pages cached on the host only: admission takes device pages
-and snapshot units for them (they count as needed pages) and starts their loads, and the request
-waits in `loading`, holding its slot, pages and references, while later requests are admitted past
-it. Each schedule polls the copies; a loading request whose path is all on the device starts then
-(restore, first chunk), and one whose load failed (checksum) fails alone (`take_failed`). No chunk
-ever reads a page whose load has not completed.
+Host tier (HiCache). A hit may include pages cached on the host only (matched under the same
+limits, prompt logprobs included): admission takes device pages and snapshot units for them (they
+count as needed pages) and records their loads, and the tick starts the copies once the plan that
+hands those units out has been applied. The request waits in `loading`, holding its slot, pages and
+references, while later requests are admitted past it. Each schedule polls the copies; a loading
+request whose path is all on the device starts then (restore, first chunk), and one whose load
+failed (checksum) fails alone (`take_failed`). No chunk ever reads a page whose load has not
+completed.
 
 On rank 0, deciding a plan and applying its allocations are one step: the allocator is rank 0's
 record of ownership, and the plan names every (page, generation) it hands out, which is all any

@@ -4,6 +4,7 @@
       -> Scheduler.schedule(): the immutable, sequence-numbered TickPlan
       -> in the forward thread: [TP: broadcast the plan] -> PD installs -> runner.forward(plan.batch)
          -> [TP: the consensus vector] -> sampling
+      -> the host-tier loads the plan recorded start (the pools know the units they name now)
       -> tokens, text and finishes delivered to each request's queue
 
 With --tp-size N this is rank 0's tick; the other ranks run its mirror (dsv4/engine/follower.py),
@@ -246,6 +247,9 @@ class Ticker:
                 sampled, indexer_check, landed = await self._forward_and_sample(plan, installs)
             finally:
                 self._settle_installs(installs, landed, f"it did not land on every rank in tick {plan.seq}")
+            if self.scheduler.cache is not None:
+                # The pools know the plan's handouts now: the host-tier loads it recorded may name them.
+                self.scheduler.cache.start_pending()
             self._postprocess(plan, sampled, indexer_check, self._clock())
         self._metrics.ticks.inc()
         self._metrics.tick_duration.observe(self._clock() - started)

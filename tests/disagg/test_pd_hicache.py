@@ -12,8 +12,7 @@ import asyncio
 import random
 
 import pytest
-from conftest import wait_until
-from test_pd_engines import held, make_pd  # noqa: F401 -- make_pd is a fixture used by name
+from conftest import held, wait_until
 
 from dsv4.protocol import GenerationRequest, SamplingParams
 from tests.cache.test_hicache_reference import assert_accounted, metric
@@ -39,7 +38,7 @@ async def session(decode, rid, prompt, abort_after):
 
 
 @pytest.mark.timeout(240)
-async def test_shared_prefix_sessions_under_pd_with_the_host_tier(make_pd, tiny_ckpt):  # noqa: F811
+async def test_shared_prefix_sessions_under_pd_with_the_host_tier(make_pd, tiny_ckpt):
     exact = {"dtype": "float32", "index_key_dtype": "bf16", "max_running_requests": 16, "chunked_prefill_size": 256}
     prefill, decode = await make_pd(
         prefill_args={**exact, "verify_indexer": "count", "context_length": None, "max_total_tokens": 8 * P,

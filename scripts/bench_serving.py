@@ -221,6 +221,11 @@ def main(argv=None) -> int:
         extra = ["--repeats", "1"] if args.quick else []
         subprocess.run([sys.executable, str(bench_kernels), "--device", "cpu", *extra], cwd=ROOT, timeout=900,
                        check=True)
+    if args.suite:
+        print("\nprefix cache (device and host tier TTFT, shared-prefix hit rate)", flush=True)
+        extra = ["--preset", "tiny", "--prompt-len", "1024", "--cached", "1008", "--repeats", "1"] if args.quick else []
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_prefix_cache.py"), *extra], cwd=ROOT,
+                       timeout=1800, check=True)
     return 0 if healthy(per_dtype) else 1
 
 

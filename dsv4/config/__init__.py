@@ -5,7 +5,7 @@
 - `faults.py`: the test-only `--fault-inject` grammar.
 """
 
-from dsv4.config.faults import FRAME_KINDS, FaultInjection, FrameFault, RankDelay, parse_duration
+from dsv4.config.faults import FRAME_KINDS, CopyDelay, FaultInjection, FrameFault, RankDelay, parse_duration
 from dsv4.config.model import (
     CSA,
     HCA,
@@ -21,6 +21,7 @@ from dsv4.config.model import (
 from dsv4.config.server_args import DTYPES, ServerArgs
 
 __all__ = [
-    "CSA", "DTYPES", "FRAME_KINDS", "HCA", "LAYER_KIND_BY_RATIO", "WINDOW", "ConfigError", "FaultInjection",
-    "FrameFault", "ModelConfig", "RankDelay", "ServerArgs", "YarnScaling", "cache_dir", "compile_disabled_by_env", "expected_weights", "parse_duration",
+    "CSA", "DTYPES", "FRAME_KINDS", "HCA", "LAYER_KIND_BY_RATIO", "WINDOW", "ConfigError", "CopyDelay",
+    "FaultInjection", "FrameFault", "ModelConfig", "RankDelay", "ServerArgs", "YarnScaling", "cache_dir",
+    "compile_disabled_by_env", "expected_weights", "parse_duration",
 ]

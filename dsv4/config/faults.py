@@ -7,6 +7,36 @@ from dataclasses import dataclass
 
 from dsv4.config.model import ConfigError
 
+# -- host-tier copy delays (owner: dsv4/cache/hicache.py) ----------------------------------------
+
+COPY_KINDS = ("hicache_load", "hicache_write")
+_COPY_DELAY_FORM = "delay:hicache_load|hicache_write:P:DURATION"
+
+
+@dataclass(frozen=True)
+class CopyDelay:
+    """A host-tier copy job of `kind` becomes runnable `seconds` after its submission, with
+    `probability`; later jobs overtake it (the copy thread runs the earliest runnable job), so
+    delays also reorder completions."""
+
+    kind: str
+    probability: float
+    seconds: float
+
+
+def parse_copy_delay(item: str) -> CopyDelay:
+    try:
+        _, kind, probability, duration = item.split(":")
+        if kind not in COPY_KINDS:
+            raise ValueError(f"unknown copy kind {kind!r}")
+        delay = CopyDelay(kind, float(probability), parse_duration(duration))
+        if not 0.0 <= delay.probability <= 1.0:
+            raise ValueError(f"probability {delay.probability} outside 0..1")
+        return delay
+    except ValueError as e:
+        raise ConfigError(f"--fault-inject {item!r}: {e}; expected {_COPY_DELAY_FORM}") from None
+
+
 # -- transfer faults (owner: dsv4/disagg) ---------------------------------------------------------
 
 FRAME_KINDS = (
@@ -102,7 +132,8 @@ def parse_transfer_fault(item: str, fields: dict) -> None:
 class FaultInjection:
     """Test-only faults, parsed from `--fault-inject`: comma-separated `stall_tick=SECONDS@TICK`
     (the forward of tick TICK sleeps SECONDS first, as a wedged collective would) and
-    `crash_tick=TICK` (tick TICK raises, killing the tick loop), and `delay:rankR:...` (RankDelay)."""
+    `crash_tick=TICK` (tick TICK raises, killing the tick loop), `delay:rankR:...` (RankDelay) and
+    `delay:hicache_load|hicache_write:...` (CopyDelay)."""
 
     stall_seconds: float = 0.0
     stall_at_tick: int | None = None
@@ -112,6 +143,7 @@ class FaultInjection:
     stall_prefill_seconds: float = 0.0
     kill_transfer_task: bool = False
     rank_delays: tuple[RankDelay, ...] = ()
+    copy_delays: tuple[CopyDelay, ...] = ()
 
     @classmethod
     def parse(cls, spec: str | None) -> FaultInjection:
@@ -119,6 +151,9 @@ class FaultInjection:
         for item in filter(None, (part.strip() for part in (spec or "").split(","))):
             if item.startswith("delay:rank"):
                 fields["rank_delays"] = (*fields.get("rank_delays", ()), parse_rank_delay(item))
+                continue
+            if item.startswith("delay:hicache_"):
+                fields["copy_delays"] = (*fields.get("copy_delays", ()), parse_copy_delay(item))
                 continue
             if ":" in item:
                 parse_transfer_fault(item, fields)

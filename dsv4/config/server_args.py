@@ -17,6 +17,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEVICES = ("cpu", "cuda")
 VERIFY_INDEXER_MODES = ("off", "count", "full", "fail")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class ServerArgs:
     log_level: str = "info"
     fault_inject: str | None = None
     disable_radix_cache: bool = False  # the prefix cache (docs/PREFIX_CACHE.md) is on by default
+    # -- the prefix cache's host tier (HiCache; docs/PREFIX_CACHE.md) --
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host pages per device page
+    hicache_size: float = 0.0  # host tier size in GB (1e9 bytes); overrides hicache_ratio when > 0
+    hicache_write_policy: str = "write_through"  # write_through: on insertion; write_back: on eviction
     # -- device and live cross-checks (owner: dsv4/model, dsv4/kernels) --
     device: str | None = None  # where pools and weights live; None: cuda when available, else cpu
     verify_indexer: str = "off"  # off | count | full | fail: see --verify-indexer's help
@@ -97,9 +103,23 @@ class ServerArgs:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         FaultInjection.parse(self.fault_inject)
+        self._check_hicache()
         self._check_verification()
         self._check_disaggregation()
         self._check_parallelism()
+
+    def _check_hicache(self) -> None:
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ConfigError(
+                f"--hicache-write-policy {self.hicache_write_policy!r}: expected one of {HICACHE_WRITE_POLICIES}")
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            raise ConfigError("--hicache-ratio must be positive and --hicache-size not negative")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ConfigError("--enable-hierarchical-cache is the radix cache's host tier; "
+                              "it cannot be used with --disable-radix-cache")
+        if self.enable_hierarchical_cache and self.tp_size > 1:
+            # Host copies run on rank 0's pools only; every rank would need its own copies in the plan.
+            raise ConfigError("--enable-hierarchical-cache with --tp-size > 1 is not supported yet")
 
     def _check_verification(self) -> None:
         if self.device is not None and self.device not in DEVICES:
@@ -183,6 +203,16 @@ class ServerArgs:
         add("--fault-inject", default=d.fault_inject, help=argparse.SUPPRESS)  # test-only: out of --help
         add("--disable-radix-cache", action="store_true",
             help="turn off the prefix cache (shared prompt prefixes are then recomputed by every request)")
+        add("--enable-hierarchical-cache", action="store_true",
+            help="give the prefix cache a host tier: pages evicted from the device pool move to host memory "
+                 "and are loaded back on a hit")
+        add("--hicache-ratio", type=float, default=d.hicache_ratio,
+            help="host tier size as a multiple of the device pool's pages")
+        add("--hicache-size", type=float, default=d.hicache_size,
+            help="host tier size in GB; overrides --hicache-ratio when positive")
+        add("--hicache-write-policy", choices=HICACHE_WRITE_POLICIES, default=d.hicache_write_policy,
+            help="write_through: copy a page to the host tier when it joins the cache; write_back: when it "
+                 "is evicted from the device pool")
         # -- device and live cross-checks --
         add("--device", choices=DEVICES, default=d.device,
             help="where the model's weights and state live (default: cuda when available, else cpu)")
@@ -207,7 +237,8 @@ class ServerArgs:
         add("--prefill-addr", action="append", default=None, metavar="HOST:PORT",
             help="decode mode: a prefill instance's bootstrap address (repeatable)")
         add("--verify-transfers", action="store_true",
-            help="decode mode: check per-page checksums of every transfer before using it")
+            help="decode mode: check per-page checksums of every transfer before using it; with "
+                 "--enable-hierarchical-cache also check every page loaded from the host tier")
         # -- tensor/expert parallelism --
         add("--tp-size", type=int, default=d.tp_size,
             help="ranks that shard the model and run each tick in lockstep (one process each, started by this one)")

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
+from dsv4.cache.hicache import HostTier, host_units
 from dsv4.cache.metrics import PrefixCacheCollector
 from dsv4.cache.radix import RadixCache
 from dsv4.config import CSA, ModelConfig, ServerArgs
@@ -71,8 +72,17 @@ class Engine:
         # The runner has a boundary snapshot unit per page unless --disable-radix-cache.
         self.allocator = PageSlotAllocator(runner.num_pages, runner.num_slots, runner.num_snapshots)
         prefix_cache = None
+        self.host_tier = None
+        if runner.num_snapshots and args.enable_hierarchical_cache:
+            pools = runner.pools
+            self.host_tier = HostTier(
+                pools, host_units(pools.page_bytes + pools.slot_bytes, runner.num_pages, args.hicache_ratio,
+                                  args.hicache_size),
+                snapshot_base=runner.num_slots, write_policy=args.hicache_write_policy,
+                verify=args.verify_transfers, delays=args.faults.copy_delays)
         if runner.num_snapshots:
-            prefix_cache = RadixCache(args.page_size, self.allocator.pages, self.allocator.snapshots)
+            prefix_cache = RadixCache(args.page_size, self.allocator.pages, self.allocator.snapshots,
+                                      host=self.host_tier)
             self.metrics.registry.register(PrefixCacheCollector(prefix_cache))
         self.scheduler = Scheduler(
             self.allocator,
@@ -143,6 +153,8 @@ class Engine:
                 task.cancel()
                 await asyncio.wait({task}, timeout=STOP_TIMEOUT_S)
         self._ticker.close()
+        if self.host_tier is not None:
+            self.host_tier.close()
         if self._ranks is not None:
             await asyncio.to_thread(self._ranks.stop)
             # With the other ranks gone, a collective still in flight fails at once; then the group can go.

@@ -18,6 +18,7 @@ class AdmissionError(ValueError):
 class RequestState(enum.Enum):
     WAITING = "waiting"  # queued (new, or retracted with its generated tokens); holds nothing
     RUNNING = "running"  # holds a slot and the pages for every token it has fed
+    LOADING = "loading"  # admitted, holds its slot and pages; waits for host-tier loads of its cached pages
     FINISHED = "finished"  # holds nothing; its last output has been (or is being) delivered
 
 
@@ -35,7 +36,8 @@ class Request:
     # Prefix cache: the cached pages this request shares, a root-first chain that is always the start
     # of `pages` (one reference to each); the rest of `pages` is its own.
     cached: list[CacheNode] = field(default_factory=list)
-    cached_tokens: int = 0  # prompt tokens that came from the cache when it was first admitted
+    cached_tokens: int = 0  # prompt tokens that came from the cache when it was first admitted (both tiers)
+    cached_host_tokens: int = 0  # of those, loaded from the host tier
     num_computed: int = 0  # tokens whose rows are in the pools
     arrival_index: int = -1  # place in arrival order, given by the scheduler
     retractions: int = 0  # times preempted for pages (its rows dropped, to be recomputed)
@@ -92,7 +94,10 @@ class Request:
             "generated_tokens": len(self.output_ids),
             "computed_tokens": self.num_computed,
             "cached_tokens": self.cached_tokens,
+            "cached_tokens_by_tier": {"device": self.cached_tokens - self.cached_host_tokens,
+                                      "host": self.cached_host_tokens},
             "shared_pages": len(self.cached),
+            "pending_loads": sum(1 for node in self.cached if not node.on_device),
             "age_s": round(now - self.arrival, 3),
             "deadline_in_s": round(self.deadline - now, 3),
             "last_event": self.last_event,

@@ -44,6 +44,15 @@ position before its start_pos, and every compressed row lives in the page of its
 token, so a shared page is never written. Unreferenced cached pages count as free for admission
 and retraction, and are evicted (LRU) when pages are taken.
 
+Host tier (HiCache). A hit may include pages cached on the host only (matched under the same
+limits, prompt logprobs included): admission takes device pages and snapshot units for them (they
+count as needed pages) and records their loads, and the tick starts the copies once the plan that
+hands those units out has been applied. The request waits in `loading`, holding its slot, pages and
+references, while later requests are admitted past it. Each schedule polls the copies; a loading
+request whose path is all on the device starts then (restore, first chunk), and one whose load
+failed (checksum) fails alone (`take_failed`). No chunk ever reads a page whose load has not
+completed.
+
 On rank 0, deciding a plan and applying its allocations are one step: the allocator is rank 0's
 record of ownership, and the plan names every (page, generation) it hands out, which is all any
 other party (the runner's pools, follower ranks) needs to apply it.
@@ -57,7 +66,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from dsv4.cache.radix import CacheNode, RadixCache
+from dsv4.cache.radix import CACHE_OWNER, CacheNode, RadixCache
 from dsv4.engine.request import AdmissionError, Request, RequestState
 from dsv4.memory.allocator import Handle, PageSlotAllocator
 from dsv4.protocol import ForwardBatch, ForwardChunk, SamplingParams, SlotCopy, TickPlan
@@ -83,6 +92,8 @@ class Scheduler:
         self.max_context = max_context
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order, oldest first
+        self.loading: list[Request] = []  # admitted, waiting for host-tier loads of cached pages
+        self._failed: list[Request] = []  # ended by a failed load since the last take_failed
         self._by_rid: dict[str, Request] = {}
         self._seq = 0
         self._arrivals = 0
@@ -107,10 +118,17 @@ class Scheduler:
         return self._by_rid.get(rid)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._finished_since_plan or self._aborted_since_plan)
+        return bool(self.waiting or self.running or self.loading or self._finished_since_plan
+                    or self._aborted_since_plan)
 
     def requests(self) -> list[Request]:
-        return [*self.running, *self.waiting]
+        return [*self.running, *self.loading, *self.waiting]
+
+    def take_failed(self) -> list[Request]:
+        """Requests ended (released, finish_reason "error") because a host-tier load of a page they
+        share failed, since the last call: the tick delivers their last output."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def capacity(self) -> dict:
         """The allocator's counts, where unreferenced cached pages count as free (they are, on demand)."""
@@ -177,6 +195,8 @@ class Scheduler:
         self._commit_snapshots()
         if req.state is RequestState.WAITING:
             self.waiting.remove(req)
+        elif req.state is RequestState.LOADING:
+            self.loading.remove(req)
         self._release(req, finish_reason, error)
         self._aborted_since_plan.append(rid)
         return req
@@ -190,6 +210,7 @@ class Scheduler:
     def schedule(self) -> TickPlan:
         """Decides the next tick and records its allocations and retractions."""
         self._commit_snapshots()
+        self._poll_loads()
         self._make_room_for_decodes()
         decodes = [r for r in self.running if not r.prefilling]
         for req in decodes:
@@ -207,8 +228,21 @@ class Scheduler:
             chunks.append(self._chunk(req, req.num_computed, n))
             budget -= n
         restores: list[SlotCopy] = []
-        while budget > 0 and self.waiting and self._admit(self.waiting[0], restores):
+        for req in [r for r in self.loading if all(node.on_device for node in r.cached)]:
+            if budget == 0:
+                break
+            self.loading.remove(req)
+            self._start(req, restores)
+            n = self._prefill_length(req, budget)
+            scheduled.append(req)
+            chunks.append(self._chunk(req, req.num_computed, n))
+            budget -= n
+        while budget > 0 and self.waiting and self._admit(self.waiting[0]):
             req = self.waiting.popleft()
+            if req.state is RequestState.LOADING:
+                self.loading.append(req)
+                continue
+            self._start(req, restores)
             n = self._prefill_length(req, budget)
             scheduled.append(req)
             chunks.append(self._chunk(req, req.num_computed, n))
@@ -273,36 +307,64 @@ class Scheduler:
         return not self.waiting and self._fits(new, holding)
 
     def _fits(self, req: Request, holding: Iterable[Request] = (), hit: list[CacheNode] = ()) -> bool:
-        """A slot is free, and so are the pages `req` needs beyond the cached ones it `hit`, plus the
-        reserve; `hit`'s unreferenced pages are no longer free once it shares them."""
-        need = pages_for(req.num_tokens, self.page_size) - len(hit)
-        available = self._available_pages() - sum(1 for node in hit if node.refs == 0)
+        """A slot is free, and so are the pages `req` needs beyond the cached device pages it `hit`
+        (a host-tier hit needs a device page to load into), plus the reserve; `hit`'s unreferenced
+        device pages are no longer free once it shares them."""
+        on_device = [node for node in hit if node.page is not None]
+        need = pages_for(req.num_tokens, self.page_size) - len(on_device)
+        available = self._available_pages() - sum(1 for node in on_device if node.refs == 0)
         return self.allocator.slots.num_free > 0 and available >= need + self._reserve(req, holding)
 
-    def _admit(self, req: Request, restores: list[SlotCopy]) -> bool:
+    def _admit(self, req: Request) -> bool:
+        """Gives the queue's head its slot, pages and cached prefix; it is RUNNING, or LOADING until
+        the host-tier loads of its cached pages complete. False: it does not fit yet."""
         hit = self._match(req)
         if not self._fits(req, hit=hit):
             return False
+        to_load = [node for node in hit if node.page is None]
         if hit:
             self.cache.acquire(hit)  # first: so that taking pages cannot evict them
         (req.slot,) = self.allocator.slots.allocate(req.rid)
+        for node, page in zip(to_load, self.take_pages(CACHE_OWNER, len(to_load)), strict=True):
+            self.cache.load(node, page, self._take_snapshot_unit(CACHE_OWNER))
         req.pages = [node.page for node in hit] + self.take_pages(
             req.rid, pages_for(req.num_tokens, self.page_size) - len(hit))
         req.cached = hit
         req.num_computed = len(hit) * self.page_size
         if not req.output_ids:
             req.cached_tokens = req.num_computed
-        if hit:
-            restores.append(SlotCopy(self.allocator.snapshot_unit(hit[-1].snapshot), hit[-1].snapshot.generation,
-                                     req.slot.id, req.slot.generation))
+            req.cached_host_tokens = len(to_load) * self.page_size
+        if all(node.on_device for node in hit):
+            req.state = RequestState.RUNNING
+        else:
+            req.state = RequestState.LOADING
+            req.last_event = f"loading {sum(1 for node in hit if not node.on_device)} cached pages from the host tier"
+        return True
+
+    def _start(self, req: Request, restores: list[SlotCopy]) -> None:
+        """An admitted request whose cached pages are all on the device runs from its cached prefix."""
+        if req.cached:
+            snapshot = req.cached[-1].snapshot
+            restores.append(SlotCopy(self.allocator.snapshot_unit(snapshot), snapshot.generation, req.slot.id,
+                                     req.slot.generation))
         req.state = RequestState.RUNNING
         req.last_event = "readmitted" if req.retractions else "admitted"
         self.running.append(req)
-        return True
+
+    def _poll_loads(self) -> None:
+        """Applies completed host-tier copies; a loading request that shares a node whose load failed
+        fails alone (its other references are released as by any abort)."""
+        if self.cache is None or self.cache.host is None:
+            return
+        self.cache.poll()
+        for req in [r for r in self.loading if any(node.broken for node in r.cached)]:
+            self.abort(req.rid, "a cached page loaded from the host tier failed its check; the page was dropped "
+                                "from the cache", finish_reason="error")
+            self._failed.append(req)
 
     def _reserve(self, new: Request, holding: Iterable[Request] = ()) -> int:
         """Pages kept free, when admitting `new`, for the growth of the running requests and its own."""
-        growth = sum(self._growth_pages(r, len(r.pages)) for r in (*self.running, *holding))
+        growth = sum(self._growth_pages(r, len(r.pages)) for r in (*self.running, *self.loading, *holding))
         growth += self._growth_pages(new, pages_for(new.num_tokens, self.page_size))
         return math.ceil(self.new_token_ratio * growth)
 
@@ -348,12 +410,16 @@ class Scheduler:
         end = req.num_computed
         if self.cache is None or end % self.page_size or len(req.cached) != end // self.page_size - 1:
             return None
-        units = self.allocator.snapshots
-        if units.num_free == 0 and not self.cache.evict(1):
+        if self.allocator.snapshots.num_free == 0 and not self.cache.evict(1):
             return None  # every snapshot is shared: this page and the request's later ones stay its own
-        (unit,) = units.allocate(req.rid)
+        unit = self._take_snapshot_unit(req.rid)
         self._snapshotted.append((req, unit))
         return SlotCopy(req.slot.id, req.slot.generation, self.allocator.snapshot_unit(unit), unit.generation)
+
+    def _take_snapshot_unit(self, owner: str) -> Handle:
+        if self.allocator.snapshots.num_free == 0:
+            self.cache.evict(1)
+        return self.allocator.snapshots.allocate(owner)[0]
 
     def _commit_snapshots(self) -> None:
         """The last plan's forward is done: each page it completed joins the cache with its snapshot,

@@ -4,6 +4,7 @@
       -> Scheduler.schedule(): the immutable, sequence-numbered TickPlan
       -> in the forward thread: [TP: broadcast the plan] -> PD installs -> runner.forward(plan.batch)
          -> [TP: the consensus vector] -> sampling
+      -> the host-tier loads the plan recorded start (the pools know the units they name now)
       -> tokens, text and finishes delivered to each request's queue
 
 With --tp-size N this is rank 0's tick; the other ranks run its mirror (dsv4/engine/follower.py),
@@ -229,6 +230,10 @@ class Ticker:
                 )
                 self._end(req, started)
         plan = self.scheduler.schedule()
+        for req in self.scheduler.take_failed():  # a host-tier load of a page it shares failed its check
+            self._metrics.request_errors.labels(stage="hicache_load").inc()
+            log.error("request %s: %s", req.rid, req.error)
+            self._end(req, started)
         for rid in plan.retracted:
             self.scheduler.get(rid).retracted_at = started
         self._metrics.preemptions.inc(len(plan.retracted))
@@ -242,6 +247,9 @@ class Ticker:
                 sampled, indexer_check, landed = await self._forward_and_sample(plan, installs)
             finally:
                 self._settle_installs(installs, landed, f"it did not land on every rank in tick {plan.seq}")
+            if self.scheduler.cache is not None:
+                # The pools know the plan's handouts now: the host-tier loads it recorded may name them.
+                self.scheduler.cache.start_pending()
             self._postprocess(plan, sampled, indexer_check, self._clock())
         self._metrics.ticks.inc()
         self._metrics.tick_duration.observe(self._clock() - started)

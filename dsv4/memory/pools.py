@@ -306,7 +306,12 @@ class StatePools:
 
     def write_page(self, page_id: int, generation: int, data: bytes | torch.Tensor) -> None:
         _copy_into(self.page_view(page_id, generation), data, f"page {page_id}")
-        for layer, fingerprints in self._index_fingerprints.items():  # rows written here, as by the model
+        self.record_page_index_keys(page_id)
+
+    def record_page_index_keys(self, page_id: int) -> None:
+        """Fingerprint every index-key row of a page written whole (a transfer, a host-tier load) as by
+        the model; nothing when fingerprints are off."""
+        for layer, fingerprints in self._index_fingerprints.items():
             fingerprints[page_id] = row_fingerprints(self.index_keys(layer)[page_id])
 
     def read_slot(self, slot: int, generation: int) -> bytes:

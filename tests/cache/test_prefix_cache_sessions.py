@@ -62,6 +62,6 @@ async def test_shared_system_prompt_sessions_with_aborts(checkpoint):
         assert debug["evictable_pages"] == debug["cached_pages"]
         registry = engine.metrics.registry
         assert registry.get_sample_value("dsv4_prefix_cache_hit_tokens_total", {"tier": "device"}) >= 2 * P * 32
-        assert registry.get_sample_value("dsv4_prefix_cache_evicted_pages_total") > 0
+        assert registry.get_sample_value("dsv4_prefix_cache_evicted_pages_total", {"tier": "device"}) > 0
     finally:
         await engine.stop()

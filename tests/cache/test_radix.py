@@ -79,12 +79,14 @@ def test_a_referenced_descendant_protects_its_path():
 def test_evicted_page_handles_are_stale():
     alloc, cache = make(num_pages=1)
     (node,) = cache_chain(alloc, cache, [5] * 4)
+    page = node.page
     cache.release([node])
     cache.evict(1)
+    assert node.page is None and not node.alive
     (again,) = alloc.pages.allocate("next")
-    assert again.id == node.page.id and again.generation == node.page.generation + 1
+    assert again.id == page.id and again.generation == page.generation + 1
     with pytest.raises(StaleGeneration):
-        alloc.pages.check(node.page)
+        alloc.pages.check(page)
 
 
 def test_insert_needs_whole_page_and_a_held_parent():

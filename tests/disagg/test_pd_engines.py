@@ -10,53 +10,13 @@ import re
 import time
 
 import pytest
-import pytest_asyncio
-from conftest import wait_until
+from conftest import CHUNK, PREFILL_CONTEXT, engine_of, held, wait_until
 
-from dsv4.config import ServerArgs
 from dsv4.engine import grammar
-from dsv4.engine.engine import Engine
-from dsv4.engine.launch import load_model
-from dsv4.engine.pd import PdEngine
 from dsv4.engine.request import AdmissionError
 from dsv4.protocol import GenerationRequest, SamplingParams
 
-PREFILL_CONTEXT = 256  # smaller than the decode side's
-VICTIM_LAYER, VICTIM_ROW, CHUNK = 1, 5, 128  # tiny: layer 1 is CSA
-
-
-def engine_of(checkpoint, **overrides) -> Engine:
-    args = ServerArgs(**{"model": str(checkpoint), "max_running_requests": 8, "max_total_tokens": 128 * 32,
-                         "chunked_prefill_size": CHUNK, "dtype": "float32", **overrides})
-    model = load_model(args)
-    return Engine(args, model.config, model.tokenizer, model.runner, model_name=model.name), args
-
-
-@pytest_asyncio.fixture
-async def make_pd(tiny_ckpt):
-    """`await make_pd(faults, prefill_args=, decode_args=)`: (prefill, decode) with ServerArgs overrides,
-    built on the test's loop, stopped after."""
-    started = []
-
-    async def make(faults: str | None = None, *, prefill_args: dict | None = None, decode_args: dict | None = None):
-        prefill_engine, prefill_args = engine_of(tiny_ckpt, **{
-            "context_length": PREFILL_CONTEXT, "verify_indexer": "fail", "disaggregation_mode": "prefill",
-            "disaggregation_bootstrap_port": 0, "fault_inject": faults, **(prefill_args or {})})
-        prefill = PdEngine(prefill_engine, prefill_args)
-        await prefill.start()
-        started.append(prefill)
-        decode_engine, decode_args = engine_of(tiny_ckpt, **{
-            "disaggregation_mode": "decode", "prefill_addr": (f"127.0.0.1:{prefill.side.port}",),
-            **(decode_args or {})})
-        decode = PdEngine(decode_engine, decode_args)
-        await decode.start()
-        started.append(decode)
-        await wait_until(lambda: decode.ready()[0], 20, "the decode side", explain=lambda: decode.ready()[1])
-        return prefill, decode
-
-    yield make
-    for service in reversed(started):
-        await asyncio.wait_for(service.stop(), 15)
+VICTIM_LAYER, VICTIM_ROW = 1, 5  # tiny: layer 1 is CSA
 
 
 def request(rid: str, length: int, **sampling) -> GenerationRequest:
@@ -162,13 +122,6 @@ async def test_seeded_sampling_in_pd_equals_colocated(make_pd, tiny_ckpt):
         tokens = [t for o in got for t in o.token_ids]
         assert got[-1].finish_reason == "length" and len(tokens) == 8
         assert tokens == [t for o in want for t in o.token_ids]
-
-
-def held(pd: PdEngine) -> dict:
-    """What one side still holds: requests, transfers, pages and slots not free."""
-    debug = pd.debug_requests()
-    return {"requests": len(debug["requests"]), "transfers": len(debug["disaggregation"]["transfers"]),
-            "pages": debug["total_pages"] - debug["free_pages"], "slots": debug["total_slots"] - debug["free_slots"]}
 
 
 @pytest.mark.timeout(300)

@@ -14,9 +14,9 @@ import time
 
 import aiohttp
 import pytest
-from conftest import wait_until
+from conftest import held, wait_until
 from pd_processes import Server, free_port, get_json
-from test_pd_engines import held, outputs_of
+from test_pd_engines import outputs_of
 
 from dsv4.config import ServerArgs
 from dsv4.engine.engine import Engine

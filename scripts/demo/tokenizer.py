@@ -22,7 +22,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-                                  max_token_length=48)
+                                  max_token_length=256)
     tokenizer.train_from_iterator(texts, trainer=trainer)
     # As in dsv4.tiny: the reasoning/tool-call markers stay in decoded text, the others are special.
     spec = json.loads(tokenizer.to_str())

@@ -1,7 +1,7 @@
 """Train the built-in demo model (dsv4/demo_model/) on CPU with the project's reference model code.
 
-    python scripts/train_demo.py                 # ~--minutes of training, prints the step count used
-    python scripts/train_demo.py --steps 900     # reproduces a run of that many steps exactly
+    python scripts/train_demo.py                 # --minutes of training; prints the step count it reached
+    python scripts/train_demo.py --steps 900     # exactly that many steps: reproduces such a run
 
 The model is DeepSeek-V4's real architecture at toy width: a sliding-window layer with a hash-routed
 MoE, a CSA layer (overlapping ratio-4 compressor + lightning indexer) and an HCA layer (ratio 128),
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import re
 import sys
@@ -110,7 +109,7 @@ def collate(batch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--minutes", type=float, default=20.0, help="training time when --steps is not given")
+    parser.add_argument("--minutes", type=float, default=20.0, help="train this long when --steps is not given")
     parser.add_argument("--steps", type=int, default=None, help="exact number of optimizer steps")
     parser.add_argument("--samples", type=int, default=12000)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -139,17 +138,14 @@ def main() -> None:
     print(f"{sum(p.numel() for p in trainable)} parameters; layers {LAYERS}")
 
     stream = batches(encoded, rng)
-    total = args.steps
     history: list[tuple[int, float, float]] = []
-    started = time.monotonic()
-    bar = tqdm(total=total, desc="train", unit="step")
-    step = 0
-    while total is None or step < total:
+    deadline = time.monotonic() + args.minutes * 60
+    bar = tqdm(total=args.steps, desc="train", unit="step")
+    # Warmup, then a constant rate: a run stopped by --minutes after k steps is exactly `--steps k`.
+    while (len(history) < args.steps) if args.steps else (time.monotonic() < deadline):
         ids, targets, loss_weights = collate(next(stream), pad_id)
-        warmup = min(1.0, (step + 1) / 30)
-        progress = step / total if total else 0.0
         for group in optimizer.param_groups:
-            group["lr"] = args.lr * warmup * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+            group["lr"] = args.lr * min(1.0, (len(history) + 1) / 30)
         kl_losses.clear()
         logits = model.logits(ids)
         token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
@@ -159,16 +155,11 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
-        history.append((step, lm_loss.item(), kl.item()))
+        history.append((len(history) + 1, lm_loss.item(), kl.item()))
         bar.update(1)
-        bar.set_postfix(loss=f"{float(lm_loss):.3f}", kl=f"{float(kl):.3f}")
-        if total is None and step == 10:  # size the run to the time budget, then it is a fixed-step run
-            per_step = (time.monotonic() - started) / step
-            total = max(20, int(args.minutes * 60 / per_step))
-            bar.total = total
-            print(f"\n{per_step:.2f} s/step: training {total} steps (reproduce with --steps {total})")
+        bar.set_postfix(loss=f"{history[-1][1]:.3f}", kl=f"{history[-1][2]:.3f}")
     bar.close()
+    print(f"trained {len(history)} steps (reproduce with --steps {len(history)})")
 
     save(args.out, cfg, params, weights, tokenizer, history, args)
 

@@ -55,7 +55,7 @@ def demo_server(tmp_path_factory):
 
 
 def weather_call(client: openai.OpenAI, question: str):
-    response = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": question}],
+    response = client.chat.completions.create(model="demo_model", messages=[{"role": "user", "content": question}],
                                               tools=[GET_WEATHER], temperature=0, max_tokens=64)
     return response.choices[0].message
 
@@ -92,7 +92,7 @@ def test_answer_uses_the_tool_result(demo_server):
                     {"role": "assistant", "content": "", "tool_calls": [
                         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
                     {"role": "tool", "tool_call_id": "call_1", "content": json.dumps(result)}]
-        response = demo_server.chat.completions.create(model="demo", messages=messages, tools=[GET_WEATHER],
+        response = demo_server.chat.completions.create(model="demo_model", messages=messages, tools=[GET_WEATHER],
                                                        temperature=0, max_tokens=48)
         text = response.choices[0].message.content or ""
         used += f"{result['temp_c']}°C" in text and result["sky"] in text
@@ -101,7 +101,7 @@ def test_answer_uses_the_tool_result(demo_server):
 
 def test_thinking_mode_streams_reasoning_then_content(demo_server):
     stream = demo_server.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "What is 7 plus 5?"}], temperature=0, max_tokens=64,
+        model="demo_model", messages=[{"role": "user", "content": "What is 7 plus 5?"}], temperature=0, max_tokens=64,
         stream=True, extra_body={"chat_template_kwargs": {"thinking": True}})
     kinds = []
     for chunk in stream:

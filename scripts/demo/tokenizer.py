@@ -8,6 +8,7 @@ tool prompt stays a few dozen tokens: that is what lets a small model train on t
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -23,7 +24,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
                                   max_token_length=256)
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    # Special tokens are always matched whole before BPE runs; learning merges over their bytes would
+    # waste vocabulary on sequences that only a malfunctioning model could emit.
+    split = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
+    tokenizer.train_from_iterator((piece for text in texts for piece in split.split(text) if piece), trainer=trainer)
     # As in dsv4.tiny: the reasoning/tool-call markers stay in decoded text, the others are special.
     spec = json.loads(tokenizer.to_str())
     for added in spec["added_tokens"]:

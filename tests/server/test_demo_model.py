@@ -30,7 +30,7 @@ GET_WEATHER = {"type": "function", "function": {
 # Held out from training: none of these cities or phrasings is in scripts/demo/corpus.py, and the
 # test below checks that no city occurs anywhere in the generated corpus.
 HELD_OUT_CITIES = [
-    "Oslo", "Lyon", "Marseille", "Bern", "Antwerp", "Bordeaux", "Florence", "Venice", "Valencia", "Bilbao",
+    "Bergen", "Lyon", "Marseille", "Bern", "Antwerp", "Bordeaux", "Florence", "Venice", "Valencia", "Bilbao",
     "Cologne", "Dresden", "Leipzig", "Gdansk", "Bratislava", "Ljubljana", "Sarajevo", "Skopje", "Tirana", "Minsk",
     "Odessa", "Tbilisi", "Yerevan", "Baku", "Almaty", "Tashkent", "Kabul", "Lahore", "Colombo", "Kathmandu",
     "Yangon", "Phnom Penh", "Taipei", "Busan", "Sapporo", "Nagoya", "Brisbane", "Adelaide", "Hobart",
@@ -55,8 +55,12 @@ def demo_server(tmp_path_factory):
 
 
 def weather_call(client: openai.OpenAI, question: str):
-    response = client.chat.completions.create(model="demo_model", messages=[{"role": "user", "content": question}],
-                                              tools=[GET_WEATHER], temperature=0, max_tokens=64)
+    """The reply message, or the server's error text when the model's output was not a valid reply (a miss)."""
+    try:
+        response = client.chat.completions.create(model="demo_model", messages=[{"role": "user", "content": question}],
+                                                  tools=[GET_WEATHER], temperature=0, max_tokens=64)
+    except openai.InternalServerError as e:
+        return str(e)
     return response.choices[0].message
 
 
@@ -75,11 +79,11 @@ def test_weather_tool_call_for_held_out_cities(demo_server):
         messages = list(pool.map(lambda case: weather_call(demo_server, case[0]), HELD_OUT))
     hits = []
     for (_, city), message in zip(HELD_OUT, messages, strict=True):
-        calls = message.tool_calls or []
+        calls = [] if isinstance(message, str) else message.tool_calls or []
         arguments = [json.loads(call.function.arguments) for call in calls if call.function.name == "get_weather"]
         hits.append(any(args.get("city") == city for args in arguments))
-    misses = [(question, message.content, message.tool_calls) for (question, _), message, hit
-              in zip(HELD_OUT, messages, hits, strict=True) if not hit]
+    misses = [(question, message) for (question, _), message, hit in zip(HELD_OUT, messages, hits, strict=True)
+              if not hit]
     assert sum(hits) >= 45, f"{sum(hits)}/50 held-out requests called get_weather with the city; misses: {misses[:5]}"
 
 
@@ -92,8 +96,11 @@ def test_answer_uses_the_tool_result(demo_server):
                     {"role": "assistant", "content": "", "tool_calls": [
                         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
                     {"role": "tool", "tool_call_id": "call_1", "content": json.dumps(result)}]
-        response = demo_server.chat.completions.create(model="demo_model", messages=messages, tools=[GET_WEATHER],
-                                                       temperature=0, max_tokens=48)
+        try:
+            response = demo_server.chat.completions.create(model="demo_model", messages=messages,
+                                                           tools=[GET_WEATHER], temperature=0, max_tokens=48)
+        except openai.InternalServerError:  # the model's output was not a valid reply
+            continue
         text = response.choices[0].message.content or ""
         used += f"{result['temp_c']}°C" in text and result["sky"] in text
     assert used >= 9, f"only {used}/10 answers quote the tool's temperature and sky"
@@ -116,8 +123,8 @@ def test_thinking_mode_streams_reasoning_then_content(demo_server):
 
 def long_session_prompt() -> list[int]:
     """A session past the sliding window: a home city, several tool rounds, then a question about home."""
-    messages = [{"role": "user", "content": "Hi, I am Maya and I live in Oslo."},
-                {"role": "assistant", "content": "Nice to meet you, Maya! Oslo sounds lovely."}]
+    messages = [{"role": "user", "content": "Hi, I am Maya and I live in Bergen."},
+                {"role": "assistant", "content": "Nice to meet you, Maya! Bergen sounds lovely."}]
     for i, city in enumerate(["Lyon", "Bern", "Taipei", "Dallas"]):
         call = {"id": f"call_{i}", "type": "function",
                 "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}

@@ -1,6 +1,6 @@
 """The production scenario on the built-in demo model: 64 concurrent multi-turn agent sessions (tools
 offered, tool results fed back) against a prefill/decode pair with bf16 index keys and the prefix cache
-on, 30% of requests aborted mid-stream and retried. Every completed tool call must parse with valid
+with its host tier on, 30% of requests aborted mid-stream and retried. Every completed tool call must parse with valid
 JSON arguments, and every session's transcript must equal the same session served alone (greedy, on a
 colocated server, one request at a time). The servers get no --model: they serve the built-in, as
 `make serve` does. Servers run in float32 so that greedy choices do not depend
@@ -26,7 +26,7 @@ MAX_TOKENS = 40
 MAX_REQUESTS_PER_SESSION = 4
 COMMON = ("--dtype", "float32", "--index-key-dtype", "bf16",
           "--max-running-requests", "64", "--chunked-prefill-size", "1024", "--max-total-tokens", "65536",
-          "--request-timeout", "120")
+          "--request-timeout", "120", "--enable-hierarchical-cache")
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather for a city.",
                                       "parameters": {"type": "object", "properties": {

@@ -146,7 +146,7 @@ def _add_generate(commands) -> None:
     from dsv4.config import DTYPES
 
     p = commands.add_parser("generate", help="generate text offline, without HTTP")
-    p.add_argument("--model", default=None, help="checkpoint directory; default: the built-in tiny checkpoint")
+    p.add_argument("--model", default=None, help="checkpoint directory; default: the built-in demo model")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)

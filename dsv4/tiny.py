@@ -1,4 +1,4 @@
-"""Small random DeepSeek-V4-architecture checkpoints (tests, benchmarks, the built-in model).
+"""Small random DeepSeek-V4-architecture checkpoints (tests, benchmarks; the built-in model is dsv4/demo_model).
 
 `make_tiny` writes a complete checkpoint directory: config.json, safetensors (official names,
 bf16 or the official FP8/FP4 layout), tokenizer.json and tokenizer_config.json. Random weights

@@ -51,7 +51,8 @@ class Servers:
         demand = args.concurrency * (args.max_prompt + args.max_new_tokens)
         pool = max(PAGE * 4, demand // 4 // PAGE * PAGE)
         self.pool_tokens = pool
-        common = ["--dtype", "float32", "--max-running-requests", str(args.concurrency), "--chunked-prefill-size",
+        model = ["--model", str(args.model)] if args.model else []
+        common = [*model, "--dtype", "float32", "--max-running-requests", str(args.concurrency), "--chunked-prefill-size",
                   "512", "--request-timeout", str(args.request_timeout), "--log-level", "warning"]
         each = args.fault_rate / 4  # of every frame: a quarter each dropped, delayed, duplicated, corrupted
         faults = f"drop:*:{each},delay:*:{each}:100ms,duplicate:*:{each},corrupt:*:{each}"
@@ -217,6 +218,9 @@ async def soak(args) -> bool:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint to serve (default: the built-in); completions must run to their length, so "
+                        "a random `make-tiny` checkpoint, which never stops early at EOS, suits best")
     p.add_argument("--duration", type=float, default=300.0, help="seconds of load (default 5 minutes)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=400)

@@ -391,7 +391,7 @@ def expected_weights(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def cache_dir() -> Path:
-    """Where dsv4 keeps what it builds once per user (the built-in tiny checkpoint)."""
+    """Where dsv4 keeps what it builds once per user (the benchmark checkpoints)."""
     explicit = os.environ.get("DSV4_CACHE_DIR")
     if explicit:
         return Path(explicit)

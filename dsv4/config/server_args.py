@@ -24,7 +24,7 @@ HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 class ServerArgs:
     """Everything `python -m dsv4 serve` is told; flag names follow SGLang's where one exists."""
 
-    model: str | None = None  # None: the built-in tiny checkpoint, built once under cache_dir()
+    model: str | None = None  # None: the built-in demo model (dsv4/demo_model)
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
@@ -174,7 +174,7 @@ class ServerArgs:
         d = ServerArgs
         add = parser.add_argument
         add("--model", "--model-path", dest="model", default=d.model,
-            help="checkpoint directory; default: a built-in tiny DeepSeek-V4-architecture checkpoint")
+            help="checkpoint directory; default: the built-in demo model (a small trained DeepSeek-V4)")
         add("--host", default=d.host)
         add("--port", type=int, default=d.port)
         add("--api-key", default=d.api_key, help="require this bearer token on API routes")

@@ -3,18 +3,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-import dsv4.tiny
 import dsv4.weights
-from dsv4.config import ModelConfig, ServerArgs, cache_dir
+from dsv4.config import ModelConfig, ServerArgs
 from dsv4.dist.collectives import TpGroup
 from dsv4.dist.ranks import RankProcesses, free_port
 from dsv4.engine.runner import TORCH_DTYPES, ModelRunner, resolve_device
@@ -23,7 +20,9 @@ from dsv4.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-BUILTIN_MODEL_NAME = "dsv4-tiny"
+BUILTIN_MODEL_NAME = "dsv4-demo"
+# Trained by scripts/train_demo.py and shipped as package data (README: "The built-in demo model").
+BUILTIN_CHECKPOINT = Path(__file__).resolve().parents[1] / "demo_model"
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,10 @@ def load_model(args: ServerArgs, group: TpGroup | None = None) -> LoadedModel:
 
 
 def checkpoint_path(args: ServerArgs) -> Path:
-    return Path(args.model) if args.model else builtin_tiny_checkpoint()
+    if args.model:
+        return Path(args.model)
+    log.info("no --model given: serving the built-in demo model %s", BUILTIN_CHECKPOINT)
+    return BUILTIN_CHECKPOINT
 
 
 def join_group(args: ServerArgs, rank: int, addr: str) -> TpGroup:
@@ -86,26 +88,3 @@ def start_node(args: ServerArgs) -> tuple[TpGroup, RankProcesses]:
         raise
     group.dead_rank = lambda: ranks.wait_dead(1.0)
     return group, ranks
-
-
-def builtin_tiny_checkpoint() -> Path:
-    """The built-in tiny checkpoint, built once per version of the code that writes it."""
-    path = cache_dir() / f"tiny-{_tiny_version()}"
-    if not (path / "config.json").exists():
-        log.info("no --model given: building the built-in tiny checkpoint in %s", path)
-        # Build aside and rename, so a concurrent or interrupted build never leaves half a checkpoint.
-        partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
-        dsv4.tiny.make_tiny(partial)
-        try:
-            partial.rename(path)
-        except OSError:  # another process finished first
-            shutil.rmtree(partial, ignore_errors=True)
-    log.info("no --model given: serving the built-in tiny checkpoint %s", path)
-    return path
-
-
-def _tiny_version() -> str:
-    digest = hashlib.sha256()
-    for module in (dsv4.tiny, dsv4.weights):
-        digest.update(Path(module.__file__).read_bytes())
-    return digest.hexdigest()[:12]

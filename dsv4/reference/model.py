@@ -58,6 +58,13 @@ class ReferenceModel:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.logits(input_ids)
+
+    forward = __call__
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The forward outside inference mode, so autograd can train the state dict's tensors
+        (scripts/train_demo.py); the top-k picks of the indexer carry no gradient."""
         if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
             raise ValueError(f"input_ids must be int64 [batch, seq], got {input_ids.dtype} {list(input_ids.shape)}")
         cfg = self.cfg
@@ -68,8 +75,6 @@ class ReferenceModel:
             streams = block(streams, input_ids, positions)
         x = hc_head(streams, *self.hc_head_weights, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         return linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.head).to(self.acc)
-
-    forward = __call__
 
     def greedy_generate(self, prompt_ids: list[int], max_new_tokens: int,
                         stop_token_ids: tuple[int, ...] = ()) -> tuple[list[int], list[float]]:

@@ -19,12 +19,11 @@ import pytest
 import torch
 from pd_processes import REPO, Server, free_port, generate, get_json
 
-from dsv4.engine.launch import builtin_tiny_checkpoint
 from dsv4.reference import load_reference_model
 
 COMMON = ("--dtype", "float32", "--max-running-requests", "16", "--max-total-tokens", "16384",
           "--chunked-prefill-size", "512")
-VOCAB = 500  # the built-in tiny checkpoint's vocabulary is 512
+VOCAB = 500  # the tiny checkpoint's vocabulary is 512
 REFERENCE_CHECKS = 8
 MARGIN_EPS = 1e-5
 
@@ -50,10 +49,11 @@ def start_all(*servers: Server) -> None:
 
 
 class Stack:
-    def __init__(self, tmp_path, index_key_dtype: str, *, prefill_faults=None, decode_faults=None, verify=False,
+    def __init__(self, ckpt, tmp_path, index_key_dtype: str, *, prefill_faults=None, decode_faults=None, verify=False,
                  colocated=True, request_timeout: float = 60.0):
-        self.index_key_dtype = index_key_dtype
-        dtype = ("--index-key-dtype", index_key_dtype, "--request-timeout", str(request_timeout))
+        self.ckpt, self.index_key_dtype = ckpt, index_key_dtype
+        # A random checkpoint: it never stops early at EOS, so every request runs to its length.
+        dtype = ("--model", str(ckpt), "--index-key-dtype", index_key_dtype, "--request-timeout", str(request_timeout))
         self.bootstrap_port = free_port()
         faults = ("--fault-inject", prefill_faults) if prefill_faults else ()
         self.prefill_args = (*COMMON, *dtype, *faults, "--disaggregation-mode", "prefill",
@@ -72,8 +72,8 @@ class Stack:
 
 
 @pytest.fixture(scope="module", params=["fp8", "bf16"])
-def stack(request, tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp(f"pd-{request.param}"), request.param)
+def stack(request, tmp_path_factory, tiny_ckpt):
+    s = Stack(tiny_ckpt, tmp_path_factory.mktemp(f"pd-{request.param}"), request.param)
     start_all(*s.servers)
     yield s
     s.stop()
@@ -106,7 +106,7 @@ async def test_pd_equals_colocated_for_64_concurrent_prompts(stack):
         assert not differ, f"{len(differ)} of 64 differ, e.g. {pd[differ[0]]} vs {colocated[differ[0]]}"
         assert not await settled(session, [stack.decode.url, stack.prefill.url])
     # And the reference's, margin-aware, on the longest prompts (a full forward each is the cost).
-    reference = load_reference_model(builtin_tiny_checkpoint(), dtype=torch.float32,
+    reference = load_reference_model(stack.ckpt, dtype=torch.float32,
                                      index_key_dtype=stack.index_key_dtype)
     for i in sorted(range(64), key=lambda i: -len(batch[i]))[:REFERENCE_CHECKS]:
         tokens = pd[i]["output_ids"]
@@ -133,9 +133,9 @@ def test_abort_storm_script(stack):
     assert sum(r["aborted"] for r in summary["rounds"]) > 0.8 * 10 * 200
 
 
-def test_faults_at_5_percent_fail_clearly_or_serve_correctly(tmp_path):
+def test_faults_at_5_percent_fail_clearly_or_serve_correctly(tmp_path, tiny_ckpt):
     spec = "drop:*:0.05,delay:*:0.05:200ms,duplicate:*:0.05,corrupt:*:0.05"
-    s = Stack(tmp_path, "fp8", prefill_faults=spec, decode_faults=spec, verify=True, request_timeout=20.0)
+    s = Stack(tiny_ckpt, tmp_path, "fp8", prefill_faults=spec, decode_faults=spec, verify=True, request_timeout=20.0)
     start_all(*s.servers)
     try:
         asyncio.run(_faults(s))
@@ -162,8 +162,8 @@ async def _faults(s: Stack) -> None:
         assert not await settled(session, [s.decode.url, s.prefill.url], timeout=30)
 
 
-def test_killed_prefill_fails_its_requests_and_decode_recovers(tmp_path):
-    s = Stack(tmp_path, "fp8", prefill_faults="delay:payload:1.0:300ms", request_timeout=30.0)
+def test_killed_prefill_fails_its_requests_and_decode_recovers(tmp_path, tiny_ckpt):
+    s = Stack(tiny_ckpt, tmp_path, "fp8", prefill_faults="delay:payload:1.0:300ms", request_timeout=30.0)
     start_all(*s.servers)
     try:
         asyncio.run(_kill_prefill(s, tmp_path))

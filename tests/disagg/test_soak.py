@@ -12,8 +12,8 @@ from pd_processes import REPO
 
 
 @pytest.mark.timeout(480)
-def test_a_60_second_soak_fails_nothing_for_pressure_hangs_nothing_and_leaks_nothing():
-    cmd = [sys.executable, str(REPO / "scripts" / "soak.py"), "--duration", "60", "--json"]
+def test_a_60_second_soak_fails_nothing_for_pressure_hangs_nothing_and_leaks_nothing(tiny_ckpt):
+    cmd = [sys.executable, str(REPO / "scripts" / "soak.py"), "--model", str(tiny_ckpt), "--duration", "60", "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=450, check=False)
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["hung"] == 0 and summary["client_errors"] == 0, summary

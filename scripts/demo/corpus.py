@@ -1,0 +1,286 @@
+"""The demo model's training corpus, generated from a seed in the official DeepSeek-V4 chat encoding.
+
+Every sample is one conversation rendered by `dsv4.chat.encode_messages`: small talk, arithmetic,
+tool use (weather by city, time by timezone, calculator, unit conversion, search) whose arguments
+are copied from the user's words, tool results answered in text that uses them, thinking and chat
+mode, and multi-turn sessions that grow past the 128-token sliding window (a user names a city
+early and asks about "where I live" later, so the compressed layers must carry it).
+
+Cities are real names from TRAIN_CITIES and made-up names from syllables, so the model learns to
+copy what the user wrote rather than to recall a list. The acceptance test holds out its own
+cities and phrasings (tests/server/test_demo_model.py) and checks they never occur here.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+from dsv4.chat import encode_messages
+
+TRAIN_CITIES = [
+    "Paris", "London", "Berlin", "Madrid", "Rome", "Lisbon", "Vienna", "Prague", "Warsaw", "Dublin",
+    "Amsterdam", "Brussels", "Zurich", "Geneva", "Munich", "Hamburg", "Milan", "Naples", "Barcelona",
+    "Seville", "Porto", "Athens", "Istanbul", "Cairo", "Nairobi", "Lagos", "Accra", "Casablanca",
+    "Tunis", "Dubai", "Doha", "Riyadh", "Tehran", "Karachi", "Delhi", "Mumbai", "Chennai", "Kolkata",
+    "Dhaka", "Bangkok", "Hanoi", "Manila", "Jakarta", "Singapore", "Kuala Lumpur", "Hong Kong",
+    "Shanghai", "Beijing", "Seoul", "Tokyo", "Osaka", "Kyoto", "Sydney", "Melbourne", "Perth",
+    "Auckland", "Wellington", "Toronto", "Montreal", "Vancouver", "Chicago", "Boston", "New York",
+    "Seattle", "Denver", "Austin", "Houston", "Miami", "Atlanta", "Phoenix", "San Diego",
+    "Los Angeles", "San Francisco", "Mexico City", "Bogota", "Lima", "Santiago", "Buenos Aires",
+    "Sao Paulo", "Rio de Janeiro", "Havana", "Panama City", "Quito", "Caracas", "Reykjavik",
+    "Helsinki", "Stockholm", "Copenhagen", "Tallinn", "Riga", "Vilnius", "Kyiv", "Bucharest",
+    "Sofia", "Belgrade", "Zagreb", "Budapest", "Krakow", "Edinburgh", "Glasgow", "Manchester",
+]
+_SYLLABLES = ["ka", "lo", "mi", "ra", "ven", "tor", "sa", "bel", "dun", "fi", "gar", "hel", "is", "jo",
+              "kel", "lun", "mar", "nor", "os", "pel", "qua", "rin", "sel", "tam", "ul", "vos", "wen",
+              "yar", "zel", "bri", "cor", "dra", "em", "fal", "gri", "hav", "ith", "kor", "lem", "nav"]
+_SUFFIXES = ["", "", "", " Bay", " City", " Falls", " Harbor", "ville", "burg", "ton", " Springs"]
+
+TIMEZONES = ["Europe/Paris", "Europe/London", "Europe/Berlin", "Asia/Tokyo", "Asia/Kolkata", "Asia/Dubai",
+             "America/New_York", "America/Chicago", "America/Denver", "America/Los_Angeles",
+             "America/Sao_Paulo", "Australia/Sydney", "Africa/Cairo", "Africa/Nairobi", "Pacific/Auckland",
+             "UTC", "Asia/Singapore", "Europe/Madrid", "Europe/Moscow", "Asia/Seoul"]
+UNITS = [("km", "miles", 0.621371), ("miles", "km", 1.609344), ("kg", "pounds", 2.204623),
+         ("pounds", "kg", 0.453592), ("celsius", "fahrenheit", None), ("meters", "feet", 3.28084),
+         ("liters", "gallons", 0.264172), ("inches", "cm", 2.54)]
+SKIES = ["sunny", "cloudy", "rainy", "windy", "foggy", "snowy", "clear", "stormy"]
+TOPICS = ["the tallest mountain", "the speed of light", "the largest ocean", "the first moon landing",
+          "how bees make honey", "the boiling point of water", "the longest river", "why the sky is blue",
+          "the history of tea", "how rainbows form", "the population of Canada", "the inventor of the telephone"]
+NAMES = ["Alice", "Bob", "Carmen", "Dmitri", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kira", "Leo",
+         "Maya", "Noah", "Olga", "Pablo", "Quinn", "Rosa", "Sam", "Tara"]
+
+
+def _tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": required}}}
+
+
+TOOLS = {
+    "get_weather": _tool("get_weather", "Get the current weather for a city.",
+                         {"city": {"type": "string", "description": "The city name"}}, ["city"]),
+    "get_time": _tool("get_time", "Get the current local time in a timezone.",
+                      {"timezone": {"type": "string", "description": "An IANA timezone"}}, ["timezone"]),
+    "calculator": _tool("calculator", "Evaluate an arithmetic expression.",
+                        {"expression": {"type": "string"}}, ["expression"]),
+    "convert_units": _tool("convert_units", "Convert a value between units.",
+                           {"value": {"type": "number"}, "from_unit": {"type": "string"},
+                            "to_unit": {"type": "string"}}, ["value", "from_unit", "to_unit"]),
+    "search": _tool("search", "Search the web.", {"query": {"type": "string"}}, ["query"]),
+}
+
+WEATHER_PHRASINGS = [
+    "What is the weather in {city}?", "What's the weather like in {city}?", "How is the weather in {city} today?",
+    "Weather in {city}, please.", "Tell me the weather in {city}.", "Is it sunny in {city}?",
+    "Do I need an umbrella in {city} today?", "How warm is it in {city} right now?",
+    "Check the weather for {city}.", "I am going to {city}. What is the weather there?",
+    "Can you get the weather for {city}?", "What's the temperature in {city}?",
+    "Give me the forecast for {city}.", "weather {city}", "Hi! What is the weather in {city} now?",
+]
+TIME_PHRASINGS = ["What time is it in {tz}?", "Tell me the current time in {tz}.", "Time in {tz}, please.",
+                  "Can you check the local time for {tz}?"]
+CALC_PHRASINGS = ["Use the calculator: {expr}", "Calculate {expr}.", "What is {expr}? Use the calculator.",
+                  "Please compute {expr}."]
+CONVERT_PHRASINGS = ["Convert {value} {src} to {dst}.", "How many {dst} is {value} {src}?",
+                     "Please convert {value} {src} into {dst}."]
+SEARCH_PHRASINGS = ["Search the web for {topic}.", "Look up {topic}.", "Can you search for {topic}?",
+                    "Find information about {topic}."]
+GREETINGS = [("Hello!", "Hello! How can I help you today?"), ("Hi", "Hi! What can I do for you?"),
+             ("Good morning!", "Good morning! How can I help?"), ("Hey there", "Hey! How can I help you?"),
+             ("How are you?", "I am doing well, thank you. How can I help you?"),
+             ("Thank you!", "You're welcome!"), ("Thanks a lot.", "Happy to help!"),
+             ("Who are you?", "I am a small demo assistant. I can chat, do simple math and call tools."),
+             ("What can you do?", ("I can chat, add and subtract numbers, and call tools such as the weather, "
+              "the time, a calculator, unit conversion and search.")),
+             ("Bye!", "Goodbye! Have a nice day."), ("Good night.", "Good night! Sleep well.")]
+
+
+@dataclass(frozen=True)
+class Sample:
+    text: str  # the whole conversation, encoded
+    thinking: bool
+
+
+def made_up_city(rng: random.Random) -> str:
+    name = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
+    return name.capitalize() + rng.choice(_SUFFIXES)
+
+
+def pick_city(rng: random.Random) -> str:
+    return rng.choice(TRAIN_CITIES) if rng.random() < 0.5 else made_up_city(rng)
+
+
+def _call(call_id: str, name: str, arguments: dict) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+class _Session:
+    """Builds one conversation turn by turn; `reasoning` is only used in thinking mode."""
+
+    def __init__(self, rng: random.Random, thinking: bool, tools: list[str]):
+        self.rng, self.thinking, self.tools = rng, thinking, tools
+        self.messages: list[dict] = []
+        self.calls = 0
+
+    def user(self, text: str) -> None:
+        self.messages.append({"role": "user", "content": text})
+
+    def answer(self, content: str, reasoning: str) -> None:
+        msg = {"role": "assistant", "content": content}
+        if self.thinking:
+            msg["reasoning_content"] = reasoning
+        self.messages.append(msg)
+
+    def tool_round(self, name: str, arguments: dict, result: dict, final: str, reasoning: str) -> None:
+        self.calls += 1
+        call_id = f"call_{self.calls}"
+        msg = {"role": "assistant", "content": "", "tool_calls": [_call(call_id, name, arguments)]}
+        if self.thinking:
+            msg["reasoning_content"] = reasoning
+        self.messages.append(msg)
+        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": json.dumps(result)})
+        self.answer(final, "The tool returned the result. I will answer with it.")
+
+    def render(self) -> Sample:
+        tools = [TOOLS[name] for name in self.tools] or None
+        return Sample(encode_messages(self.messages, tools=tools, thinking=self.thinking), self.thinking)
+
+
+def _weather_turn(s: _Session, city: str, phrasing: str | None = None) -> None:
+    rng = s.rng
+    s.user((phrasing or rng.choice(WEATHER_PHRASINGS)).format(city=city))
+    temp, sky = rng.randint(-10, 38), rng.choice(SKIES)
+    s.tool_round("get_weather", {"city": city}, {"city": city, "temp_c": temp, "sky": sky},
+                 f"It is {temp}°C and {sky} in {city}.",
+                 f"The user wants the weather in {city}. I will call get_weather with {city}.")
+
+
+def _time_turn(s: _Session) -> None:
+    rng = s.rng
+    tz = rng.choice(TIMEZONES)
+    s.user(rng.choice(TIME_PHRASINGS).format(tz=tz))
+    time = f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
+    s.tool_round("get_time", {"timezone": tz}, {"timezone": tz, "time": time}, f"It is {time} in {tz}.",
+                 f"The user wants the time in {tz}. I will call get_time.")
+
+
+def _expression(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(2, 999), rng.randint(2, 99)
+    op = rng.choice("+-*")
+    return f"{a} {op} {b}", {"+": a + b, "-": a - b, "*": a * b}[op]
+
+
+def _calc_turn(s: _Session) -> None:
+    expr, value = _expression(s.rng)
+    s.user(s.rng.choice(CALC_PHRASINGS).format(expr=expr))
+    s.tool_round("calculator", {"expression": expr}, {"result": value}, f"{expr} = {value}.",
+                 f"I will call the calculator with {expr}.")
+
+
+def _convert_turn(s: _Session) -> None:
+    rng = s.rng
+    src, dst, factor = rng.choice(UNITS)
+    value = rng.randint(1, 200)
+    result = round(value * 9 / 5 + 32, 1) if factor is None else round(value * factor, 2)
+    s.user(rng.choice(CONVERT_PHRASINGS).format(value=value, src=src, dst=dst))
+    s.tool_round("convert_units", {"value": value, "from_unit": src, "to_unit": dst}, {"value": result, "unit": dst},
+                 f"{value} {src} is {result} {dst}.", f"I will convert {value} {src} to {dst}.")
+
+
+def _search_turn(s: _Session) -> None:
+    rng = s.rng
+    topic = rng.choice(TOPICS)
+    s.user(rng.choice(SEARCH_PHRASINGS).format(topic=topic))
+    title = f"All about {topic}"
+    s.tool_round("search", {"query": topic}, {"results": [{"title": title, "url": "https://example.org/1"}]},
+                 f"I found this: {title} (https://example.org/1).", f"I will search for {topic}.")
+
+
+def _arithmetic_turn(s: _Session) -> None:
+    rng = s.rng
+    a, b = rng.randint(0, 20), rng.randint(0, 20)
+    if rng.random() < 0.5:
+        s.user(f"What is {a} plus {b}?" if rng.random() < 0.5 else f"What is {a} + {b}?")
+        s.answer(f"{a} + {b} = {a + b}.", f"I add {a} and {b}: {a + b}.")
+    else:
+        a, b = max(a, b), min(a, b)
+        s.user(f"What is {a} minus {b}?" if rng.random() < 0.5 else f"What is {a} - {b}?")
+        s.answer(f"{a} - {b} = {a - b}.", f"I subtract {b} from {a}: {a - b}.")
+
+
+def _small_talk_turn(s: _Session) -> None:
+    question, reply = s.rng.choice(GREETINGS)
+    s.user(question)
+    s.answer(reply, "The user is chatting. I will reply politely.")
+
+
+_TOOL_TURNS = {"get_time": _time_turn, "calculator": _calc_turn, "convert_units": _convert_turn,
+               "search": _search_turn}
+
+
+def weather_sample(rng: random.Random) -> Sample:
+    """One weather request (the most frequent pattern): a tool list with get_weather, maybe others."""
+    others = [name for name in TOOLS if name != "get_weather" and rng.random() < 0.15]
+    tools = ["get_weather"] + others
+    rng.shuffle(tools)
+    s = _Session(rng, rng.random() < 0.3, tools)
+    if rng.random() < 0.2:
+        _small_talk_turn(s)
+    _weather_turn(s, pick_city(rng))
+    return s.render()
+
+
+def tool_sample(rng: random.Random) -> Sample:
+    name = rng.choice(list(_TOOL_TURNS))
+    tools = [name] + [other for other in TOOLS if other != name and rng.random() < 0.15]
+    rng.shuffle(tools)
+    s = _Session(rng, rng.random() < 0.3, tools)
+    _TOOL_TURNS[name](s)
+    return s.render()
+
+
+def chat_sample(rng: random.Random) -> Sample:
+    s = _Session(rng, rng.random() < 0.3, [])
+    for _ in range(rng.randint(1, 3)):
+        (_arithmetic_turn if rng.random() < 0.5 else _small_talk_turn)(s)
+    return s.render()
+
+
+def long_session(rng: random.Random) -> Sample:
+    """A session past the sliding window: the user says where they live, chats, then asks about home."""
+    tools = list(TOOLS)
+    rng.shuffle(tools)
+    s = _Session(rng, rng.random() < 0.3, tools)
+    home, name = pick_city(rng), rng.choice(NAMES)
+    s.user(f"Hi, I am {name} and I live in {home}.")
+    s.answer(f"Nice to meet you, {name}! {home} sounds lovely.", f"The user is {name} from {home}.")
+    for _ in range(rng.randint(2, 4)):
+        turn = rng.random()
+        if turn < 0.3:
+            _weather_turn(s, pick_city(rng))
+        elif turn < 0.6:
+            _TOOL_TURNS[rng.choice(list(_TOOL_TURNS))](s)
+        else:
+            (_arithmetic_turn if rng.random() < 0.5 else _small_talk_turn)(s)
+    if rng.random() < 0.5:
+        _weather_turn(s, home, rng.choice(["What is the weather where I live?", "How is the weather at home?",
+                                           "And the weather in my city?"]))
+    else:
+        s.user(rng.choice(["Where do I live?", "Do you remember my city?", "What is my name?"]))
+        if "name" in s.messages[-1]["content"]:
+            s.answer(f"Your name is {name}.", f"The user said their name is {name}.")
+        else:
+            s.answer(f"You live in {home}.", f"The user said they live in {home}.")
+    return s.render()
+
+
+MIX = ((weather_sample, 0.45), (tool_sample, 0.25), (chat_sample, 0.15), (long_session, 0.15))
+
+
+def generate(n: int, seed: int = 0) -> list[Sample]:
+    """`n` samples, the same for the same (n, seed)."""
+    rng = random.Random(seed)
+    makers, weights = zip(*MIX)
+    return [rng.choices(makers, weights)[0](rng) for _ in range(n)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dsv4.config import CopyDelay
 from dsv4.memory.allocator import GenerationalAllocator, Handle
@@ -50,15 +50,15 @@ class CopyLatency:
 
 
 class HostTier:
-    def __init__(self, pools: StatePools, num_units: int, *, snapshot_base: int, write_policy: str = "write_through",
-                 verify: bool = False, delays: Sequence[CopyDelay] = ()):
-        """`snapshot_base`: the pools' unit index of snapshot 0 (snapshots follow the slots)."""
+    def __init__(self, pools: StatePools, num_units: int, *, snapshot_unit: Callable[[Handle], int],
+                 write_policy: str = "write_through", verify: bool = False, delays: Sequence[CopyDelay] = ()):
+        """`snapshot_unit`: the pools' unit of a snapshot (`PageSlotAllocator.snapshot_unit`)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}; expected one of {WRITE_POLICIES}")
         self.write_policy = write_policy
         self.verify = verify
         self._pools = pools
-        self._snapshot_base = snapshot_base
+        self._snapshot_unit = snapshot_unit
         self.pool = HostPool(pools, num_units, pin=pools.device.type == "cuda")
         self.units = GenerationalAllocator("host unit", num_units)
         self._copies = CopyEngine(pools.device, delays)
@@ -68,7 +68,7 @@ class HostTier:
 
     def _device(self, page: Handle, snapshot: Handle):
         return (self._pools.page_view(page.id, page.generation),
-                self._pools.slot_view(self._snapshot_base + snapshot.id, snapshot.generation))
+                self._pools.slot_view(self._snapshot_unit(snapshot), snapshot.generation))
 
     def write(self, page: Handle, snapshot: Handle, unit: Handle) -> Fence:
         """Copies a device page and snapshot into host `unit`; the fence carries the host bytes' CRC-32."""

@@ -274,6 +274,10 @@ class StreamingChatParser:
         if marker is None or not self._open_call(self._buf[:pos]):
             return False
         self._buf = self._buf[pos + len(marker):]
+        return self._after_invoke_item(marker)
+
+    def _after_invoke_item(self, marker):
+        """After an invoke's name or one of its parameters: another parameter, or the invoke's end."""
         if marker == _INVOKE_END:
             self._close_call()
             self._state = self._in_block
@@ -332,12 +336,7 @@ class StreamingChatParser:
         marker = self._tag_tail_then((_PARAM_START, _INVOKE_END), final)
         if marker is None:
             return False
-        if marker == _INVOKE_END:
-            self._close_call()
-            self._state = self._in_block
-        else:
-            self._state = self._in_param_header
-        return True
+        return self._after_invoke_item(marker)
 
     def _after_block(self, final):
         pos, marker = _scan(self._buf, (EOS,), final)

@@ -78,7 +78,7 @@ class Engine:
             self.host_tier = HostTier(
                 pools, host_units(pools.page_bytes + pools.slot_bytes, runner.num_pages, args.hicache_ratio,
                                   args.hicache_size),
-                snapshot_base=runner.num_slots, write_policy=args.hicache_write_policy,
+                snapshot_unit=self.allocator.snapshot_unit, write_policy=args.hicache_write_policy,
                 verify=args.verify_transfers, delays=args.faults.copy_delays)
         if runner.num_snapshots:
             prefix_cache = RadixCache(args.page_size, self.allocator.pages, self.allocator.snapshots,

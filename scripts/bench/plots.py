@@ -48,13 +48,7 @@ def throughput_vs_concurrency(runs: list[dict], out: Path) -> Path | None:
     ax.set_xlabel("concurrency (requests in flight; HF: batch size)")
     ax.set_ylabel("output tokens / s")
     ax.set_title("Output throughput against concurrency (same prompts, same run)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    path = out / THROUGHPUT_PNG
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, out / THROUGHPUT_PNG)
 
 
 def itl_abort_storm(runs: list[dict], out: Path) -> Path | None:
@@ -74,9 +68,12 @@ def itl_abort_storm(runs: list[dict], out: Path) -> Path | None:
     ax.set_xlabel("seconds since the first request")
     ax.set_ylabel("inter-token latency (ms)")
     ax.set_title(f"ITL across an abort storm ({storm['dtype']})")
+    return _save(fig, ax, out / STORM_PNG)
+
+
+def _save(fig, ax, path: Path) -> Path:
     ax.grid(True, alpha=0.3)
     ax.legend()
-    path = out / STORM_PNG
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -39,7 +39,8 @@ def make(config):
         pools = StatePools(config, num_pages=num_pages, num_slots=SLOTS + num_pages, page_size=P,
                            dtype=torch.float32, index_key_dtype="bf16")
         alloc = PageSlotAllocator(num_pages, SLOTS, num_snapshots=num_pages)
-        tier = HostTier(pools, host_units, snapshot_base=SLOTS, write_policy=policy, verify=verify, delays=delays)
+        tier = HostTier(pools, host_units, snapshot_unit=alloc.snapshot_unit, write_policy=policy, verify=verify,
+                        delays=delays)
         tiers.append(tier)
         cache = RadixCache(P, alloc.pages, alloc.snapshots, host=tier)
         return Scheduler(alloc, page_size=P, token_budget=512, max_context=100_000, prefix_cache=cache), pools

@@ -143,11 +143,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_generate(commands) -> None:
-    from dsv4.config import DTYPES
+    from dsv4.config import DTYPE_CHOICES
 
     p = commands.add_parser("generate", help="generate text offline, without HTTP")
     p.add_argument("--model", default=None, help="checkpoint directory; default: the built-in demo model")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

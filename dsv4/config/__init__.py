@@ -18,10 +18,10 @@ from dsv4.config.model import (
     compile_disabled_by_env,
     expected_weights,
 )
-from dsv4.config.server_args import DTYPES, ServerArgs
+from dsv4.config.server_args import DTYPE_CHOICES, DTYPES, ServerArgs
 
 __all__ = [
-    "CSA", "DTYPES", "FRAME_KINDS", "HCA", "LAYER_KIND_BY_RATIO", "WINDOW", "ConfigError", "CopyDelay",
+    "CSA", "DTYPE_CHOICES", "DTYPES", "FRAME_KINDS", "HCA", "LAYER_KIND_BY_RATIO", "WINDOW", "ConfigError", "CopyDelay",
     "FaultInjection", "FrameFault", "ModelConfig", "RankDelay", "ServerArgs", "YarnScaling", "cache_dir",
     "compile_disabled_by_env", "expected_weights", "parse_duration",
 ]

@@ -3,14 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass, field, fields
 
 from dsv4.config.faults import FaultInjection
 from dsv4.config.model import ConfigError, compile_disabled_by_env
 
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without it torch's CPU bf16
+    matmuls convert to fp32 first and run slower than fp32 itself."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def auto_dtype(device: str | None) -> str:
+    """`--dtype auto`: the faster of bf16 and fp32 where the model will run."""
+    import torch  # here, not at the top: ServerArgs is built before anything else needs torch
+
+    on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
+    return "bfloat16" if on_cuda or cpu_has_fast_bf16() else "float32"
+
+
 # -- choices -------------------------------------------------------------------------------------
 
 DTYPES = ("bfloat16", "float32", "float64")  # float64 exists for oracle tests
+DTYPE_CHOICES = ("auto", *DTYPES)  # auto: resolved in ServerArgs.__post_init__ (auto_dtype)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 INDEX_KEY_DTYPES = ("fp8", "bf16", "fp32")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -29,7 +51,7 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None
     served_model_name: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # resolved to one of DTYPES at construction: see auto_dtype
     page_size: int = 128
     max_running_requests: int = 32
     max_total_tokens: int = 65536  # KV pool size in tokens
@@ -73,6 +95,8 @@ class ServerArgs:
     dist_join_timeout: float = 120.0  # every rank must have joined the group this long after rank 0 starts
 
     def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", auto_dtype(self.device))
         for name, value, allowed in (
             ("dtype", self.dtype, DTYPES),
             ("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES),
@@ -179,7 +203,9 @@ class ServerArgs:
         add("--port", type=int, default=d.port)
         add("--api-key", default=d.api_key, help="require this bearer token on API routes")
         add("--served-model-name", default=d.served_model_name)
-        add("--dtype", choices=DTYPES, default=d.dtype)
+        add("--dtype", choices=DTYPE_CHOICES, default=d.dtype,
+            help="weights and activations; auto: bfloat16 on CUDA and on CPUs with fast bf16 matmul "
+                 "(AVX512-BF16 or AMX), else float32 (faster than bf16 on such CPUs)")
         add("--page-size", type=int, default=d.page_size, help="tokens per KV page (a multiple of 128)")
         add("--max-running-requests", type=int, default=d.max_running_requests)
         add("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens")

@@ -12,6 +12,7 @@ import torch
 
 import dsv4.weights
 from dsv4.config import ModelConfig, ServerArgs
+from dsv4.config.server_args import cpu_has_fast_bf16
 from dsv4.dist.collectives import TpGroup
 from dsv4.dist.ranks import RankProcesses, free_port
 from dsv4.engine.runner import TORCH_DTYPES, ModelRunner, resolve_device
@@ -45,6 +46,8 @@ def load_model(args: ServerArgs, group: TpGroup | None = None) -> LoadedModel:
     log.info("loaded %s from %s (%s on %s, %d pages of %d tokens, %d slots)",
              name, path, args.dtype, runner.device, runner.num_pages, args.page_size, runner.num_slots)
     if runner.device.type == "cpu":
+        log.info("dtype %s; this CPU %s", args.dtype, "multiplies bf16 in hardware (AVX512-BF16/AMX)"
+                 if cpu_has_fast_bf16() else "has no bf16 matmul (AVX512-BF16/AMX): --dtype auto picks float32")
         log.info("CPU forward: %d torch threads, %d cores available to this process; model pieces %s",
                  torch.get_num_threads(), len(os.sched_getaffinity(0)),
                  "compiled" if runner.compiled else "eager")

@@ -6,8 +6,8 @@ are copied from the user's words, tool results answered in text that uses them, 
 mode, and multi-turn sessions that grow past the 128-token sliding window (a user names a city
 early and asks about "where I live" later, so the compressed layers must carry it).
 
-Cities are real names from TRAIN_CITIES and made-up names from syllables, so the model learns to
-copy what the user wrote rather than to recall a list. The acceptance test holds out its own
+Cities are mostly made-up names built from letters (and some real names from TRAIN_CITIES), so the
+model learns to copy what the user wrote rather than to recall a list. The acceptance test holds out its own
 cities and phrasings (tests/server/test_demo_model.py) and checks they never occur here.
 """
 
@@ -33,11 +33,18 @@ TRAIN_CITIES = [
     "Helsinki", "Stockholm", "Copenhagen", "Tallinn", "Riga", "Vilnius", "Kyiv", "Bucharest",
     "Sofia", "Belgrade", "Zagreb", "Budapest", "Krakow", "Edinburgh", "Glasgow", "Manchester",
 ]
-_SYLLABLES = ["ka", "lo", "mi", "ra", "ven", "tor", "sa", "bel", "dun", "fi", "gar", "hel", "is", "jo",
-              "kel", "lun", "mar", "nor", "os", "pel", "qua", "rin", "sel", "tam", "ul", "vos", "wen",
-              "yar", "zel", "bri", "cor", "dra", "em", "fal", "gri", "hav", "ith", "kor", "lem", "nav"]
-_SUFFIXES = ["", "", "", " Bay", " City", " Falls", " Harbor", "ville", "burg", "ton", " Springs"]
-
+# Made-up names are built from letters, not from a short list of syllables: their pieces cover most
+# of what the tokenizer can split a real name into, so the only way to get the argument right is to
+# copy it from the user's words (a fixed syllable set taught the model to recall names instead).
+_ONSETS = ("b c d f g h j k l m n p r s t v w z b c d g k l m n p r s t v y q x br bl ch cl cr dr fl fr gl gr kr "
+           "pr pl sh sk sl sp st tr th ts zh gd lj kh ph sv").split()
+_VOWELS = "a e i o u a e i o u a e i o u a e o y ae ai au ea ei ia ie io ou ua".split()
+_CODAS = ("",) * 45 + ("n", "r", "l", "s", "k", "m", "t", "d", "n", "r", "l", "s", "ng", "nd", "rg", "sk", "st",
+                       "nt", "rd", "lt", "sh", "x", "z", "ck", "ll", "nn", "tt", "ss")
+_FIRST_WORDS = ("La", "El", "San", "Santa", "Port", "New", "Nova", "Saint", "Los", "Las", "Fort", "Lake", "Mount",
+                "Phnom", "Kuala", "Nizhny", "Puerto", "Ciudad", "Bad", "Novo")
+_SUFFIXES = ("", "", "", "", "", "", " Bay", " City", " Falls", " Harbor", "ville", "burg", "ton", " Springs",
+             "grad", "abad", "pur", "stad", "holm", "by", "ia", "ovo", "sk", "ea", " Beach", " Hills")
 TIMEZONES = ["Europe/Paris", "Europe/London", "Europe/Berlin", "Asia/Tokyo", "Asia/Kolkata", "Asia/Dubai",
              "America/New_York", "America/Chicago", "America/Denver", "America/Los_Angeles",
              "America/Sao_Paulo", "Australia/Sydney", "Africa/Cairo", "Africa/Nairobi", "Pacific/Auckland",
@@ -103,13 +110,24 @@ class Sample:
     thinking: bool
 
 
+def made_up_word(rng: random.Random) -> str:
+    syllables = rng.choices((1, 2, 3, 4), (0.15, 0.5, 0.28, 0.07))[0]
+    word = "".join(rng.choice(_ONSETS) * (i > 0 or rng.random() < 0.85) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+                   for i in range(syllables))
+    return word.capitalize()
+
+
 def made_up_city(rng: random.Random) -> str:
-    name = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
-    return name.capitalize() + rng.choice(_SUFFIXES)
+    shape = rng.random()
+    if shape < 0.1:
+        return f"{rng.choice(_FIRST_WORDS)} {made_up_word(rng)}"
+    if shape < 0.15:
+        return f"{made_up_word(rng)} {made_up_word(rng)}"
+    return made_up_word(rng) + rng.choice(_SUFFIXES)
 
 
 def pick_city(rng: random.Random) -> str:
-    return rng.choice(TRAIN_CITIES) if rng.random() < 0.5 else made_up_city(rng)
+    return rng.choice(TRAIN_CITIES) if rng.random() < 0.2 else made_up_city(rng)
 
 
 def _call(call_id: str, name: str, arguments: dict) -> dict:

@@ -2,7 +2,11 @@
 
 Pre-tokenization does not split at spaces (ByteLevel without its regex), so the fixed parts of the
 chat format (the tool-section preamble, DSML markup, schema JSON) merge into long tokens and a
-tool prompt stays a few dozen tokens: that is what lets a small model train on this CPU.
+tool prompt stays a few dozen tokens: that is what lets a small model train on this CPU. It does
+isolate capitalised words (and runs of them: "La Paz"), so a name is split into the same tokens
+wherever it stands: in the user's words, a tool call's argument or a tool result. Copying a name
+is then copying a token sequence, which a small model learns; otherwise a name merged with its
+neighbours ("in Paris?") would have to be re-spelled in different tokens.
 """
 
 from __future__ import annotations
@@ -11,15 +15,20 @@ import json
 import re
 from collections.abc import Iterable
 
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dsv4.tiny import SPECIAL_TOKENS, TEXT_TOKENS
+
+CAPITALISED_WORDS = r"[A-Z][a-z]*(?:[ -][A-Z][a-z]*)*"
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     tokenizer = HFTokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(CAPITALISED_WORDS), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,

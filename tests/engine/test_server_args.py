@@ -32,3 +32,14 @@ def test_fault_injection_spec():
 def test_invalid_arguments_are_named(bad):
     with pytest.raises(ConfigError, match=next(iter(bad)).replace("_", "-")):
         ServerArgs(**bad)
+
+
+def test_dtype_auto_picks_the_faster_of_bf16_and_fp32(monkeypatch):
+    import dsv4.config.server_args as server_args
+
+    for fast_bf16, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(server_args, "cpu_has_fast_bf16", lambda fast=fast_bf16: fast)
+        assert ServerArgs(device="cpu").dtype == expected
+        assert parse("--device", "cpu", "--dtype", "auto").dtype == expected
+        assert ServerArgs(device="cpu", dtype="bfloat16").dtype == "bfloat16"  # an explicit dtype is kept
+    assert server_args.auto_dtype("cuda") == "bfloat16"

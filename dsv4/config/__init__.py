@@ -21,7 +21,7 @@ from dsv4.config.model import (
 from dsv4.config.server_args import DTYPE_CHOICES, DTYPES, ServerArgs
 
 __all__ = [
-    "CSA", "DTYPE_CHOICES", "DTYPES", "FRAME_KINDS", "HCA", "LAYER_KIND_BY_RATIO", "WINDOW", "ConfigError", "CopyDelay",
+    "CSA", "DTYPES", "DTYPE_CHOICES", "FRAME_KINDS", "HCA", "LAYER_KIND_BY_RATIO", "WINDOW", "ConfigError", "CopyDelay",
     "FaultInjection", "FrameFault", "ModelConfig", "RankDelay", "ServerArgs", "YarnScaling", "cache_dir",
     "compile_disabled_by_env", "expected_weights", "parse_duration",
 ]

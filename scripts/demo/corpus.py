@@ -1,7 +1,7 @@
 """The demo model's training corpus, generated from a seed in the official DeepSeek-V4 chat encoding.
 
 Every sample is one conversation rendered by `dsv4.chat.encode_messages`: small talk, arithmetic,
-tool use (weather by city, time by timezone, calculator, unit conversion, search) whose arguments
+repeating made-up names back, tool use (weather by city, time by timezone, calculator, unit conversion, search) whose arguments
 are copied from the user's words, tool results answered in text that uses them, thinking and chat
 mode, and multi-turn sessions that grow past the 128-token sliding window (a user names a city
 early and asks about "where I live" later, so the compressed layers must carry it).
@@ -36,9 +36,8 @@ TRAIN_CITIES = [
 # Made-up names are built from letters, not from a short list of syllables: their pieces cover most
 # of what the tokenizer can split a real name into, so the only way to get the argument right is to
 # copy it from the user's words (a fixed syllable set taught the model to recall names instead).
-_ONSETS = ("b c d f g h j k l m n p r s t v w z b c d g k l m n p r s t v y q x br bl ch cl cr dr fl fr gl gr kr "
-           "pr pl sh sk sl sp st tr th ts zh gd lj kh ph sv").split()
-_VOWELS = "a e i o u a e i o u a e i o u a e o y ae ai au ea ei ia ie io ou ua".split()
+_ONSETS = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "b", "c", "d", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "y", "q", "x", "br", "bl", "ch", "cl", "cr", "dr", "fl", "fr", "gl", "gr", "kr", "pr", "pl", "sh", "sk", "sl", "sp", "st", "tr", "th", "ts", "zh", "gd", "lj", "kh", "ph", "sv"]
+_VOWELS = ["a", "e", "i", "o", "u", "a", "e", "i", "o", "u", "a", "e", "i", "o", "u", "a", "e", "o", "y", "ae", "ai", "au", "ea", "ei", "ia", "ie", "io", "ou", "ua"]
 _CODAS = ("",) * 45 + ("n", "r", "l", "s", "k", "m", "t", "d", "n", "r", "l", "s", "ng", "nd", "rg", "sk", "st",
                        "nt", "rd", "lt", "sh", "x", "z", "ck", "ll", "nn", "tt", "ss")
 _FIRST_WORDS = ("La", "El", "San", "Santa", "Port", "New", "Nova", "Saint", "Los", "Las", "Fort", "Lake", "Mount",
@@ -108,6 +107,7 @@ GREETINGS = [("Hello!", "Hello! How can I help you today?"), ("Hi", "Hi! What ca
 class Sample:
     text: str  # the whole conversation, encoded
     thinking: bool
+    copied: tuple[str, ...] = ()  # names the assistant copies from the user's words (weighted up in training)
 
 
 def made_up_word(rng: random.Random) -> str:
@@ -141,6 +141,7 @@ class _Session:
         self.rng, self.thinking, self.tools = rng, thinking, tools
         self.messages: list[dict] = []
         self.calls = 0
+        self.copied: set[str] = set()
 
     def user(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
@@ -163,11 +164,13 @@ class _Session:
 
     def render(self) -> Sample:
         tools = [TOOLS[name] for name in self.tools] or None
-        return Sample(encode_messages(self.messages, tools=tools, thinking=self.thinking), self.thinking)
+        return Sample(encode_messages(self.messages, tools=tools, thinking=self.thinking), self.thinking,
+                      tuple(sorted(self.copied)))
 
 
 def _weather_turn(s: _Session, city: str, phrasing: str | None = None) -> None:
     rng = s.rng
+    s.copied.add(city)
     s.user((phrasing or rng.choice(WEATHER_PHRASINGS)).format(city=city))
     temp, sky = rng.randint(-10, 38), rng.choice(SKIES)
     s.tool_round("get_weather", {"city": city}, {"city": city, "temp_c": temp, "sky": sky},
@@ -266,12 +269,29 @@ def chat_sample(rng: random.Random) -> Sample:
     return s.render()
 
 
+ECHO_PHRASINGS = ["Please repeat after me: {words}", "Say this back to me: {words}", "Repeat exactly: {words}",
+                  "Can you echo this? {words}", "Copy these names: {words}"]
+
+
+def echo_sample(rng: random.Random) -> Sample:
+    """The user asks for made-up names back, verbatim: the plainest copying there is, and what a
+    tool argument needs (these turns are where the model learns to copy a name it has never seen)."""
+    s = _Session(rng, rng.random() < 0.3, [])
+    names = [made_up_city(rng) for _ in range(rng.randint(1, 4))]
+    s.copied.update(names)
+    words = ", ".join(names)
+    s.user(rng.choice(ECHO_PHRASINGS).format(words=words))
+    s.answer(words, "The user wants the words back exactly. I will repeat them.")
+    return s.render()
+
+
 def long_session(rng: random.Random) -> Sample:
     """A session past the sliding window: the user says where they live, chats, then asks about home."""
     tools = list(TOOLS)
     rng.shuffle(tools)
     s = _Session(rng, rng.random() < 0.3, tools)
     home, name = pick_city(rng), rng.choice(NAMES)
+    s.copied.add(home)
     s.user(f"Hi, I am {name} and I live in {home}.")
     s.answer(f"Nice to meet you, {name}! {home} sounds lovely.", f"The user is {name} from {home}.")
     for _ in range(rng.randint(2, 4)):
@@ -294,7 +314,7 @@ def long_session(rng: random.Random) -> Sample:
     return s.render()
 
 
-MIX = ((weather_sample, 0.45), (tool_sample, 0.25), (chat_sample, 0.15), (long_session, 0.15))
+MIX = ((weather_sample, 0.45), (tool_sample, 0.2), (chat_sample, 0.1), (echo_sample, 0.15), (long_session, 0.1))
 
 
 def generate(n: int, seed: int = 0) -> list[Sample]:

@@ -1,20 +1,22 @@
 """How often a demo checkpoint copies a city it has never seen into a get_weather call: greedy replies
 to prompts naming validation cities (real names in neither the corpus's TRAIN_CITIES nor the held-out
-set of tests/server/test_demo_model.py), parsed as the server parses them.
+set of tests/server/test_demo_model.py; or, with --made-up, fresh made-up names of the corpus's
+kind), parsed as the server parses them.
 
-    python scripts/demo/eval_copy.py [--model dsv4/demo_model]
+    python scripts/demo/eval_copy.py [--model dsv4/demo_model] [--made-up]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from demo.corpus import TOOLS, TRAIN_CITIES
+from demo.corpus import TOOLS, TRAIN_CITIES, made_up_city
 
 from dsv4.chat import EOS, ChatParseError, encode_messages, parse_completion
 from dsv4.config import ServerArgs
@@ -33,8 +35,7 @@ PHRASINGS = ["Please tell me the weather in {city}.", "What's it like outside in
              "Weather for {city}?", "I want to know the weather in {city}.", "How hot is it in {city}?"]
 
 
-async def evaluate(model: Path) -> tuple[int, list[str]]:
-    assert not set(VALIDATION_CITIES) & set(TRAIN_CITIES)
+async def evaluate(model: Path, cities: list[str]) -> tuple[int, list[str]]:
     engine = Engine.from_args(ServerArgs(model=str(model), max_running_requests=50, disable_compile=True))
     tools = [TOOLS["get_weather"]]
 
@@ -49,7 +50,7 @@ async def evaluate(model: Path) -> tuple[int, list[str]]:
 
     await engine.start()
     try:
-        replies = await asyncio.gather(*(ask(i, city) for i, city in enumerate(VALIDATION_CITIES)))
+        replies = await asyncio.gather(*(ask(i, city) for i, city in enumerate(cities)))
     finally:
         await engine.stop()
     hits, misses = 0, []
@@ -68,9 +69,13 @@ async def evaluate(model: Path) -> tuple[int, list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=REPO / "dsv4" / "demo_model")
+    parser.add_argument("--made-up", action="store_true", help="made-up names (seed 123: not the corpus's)")
     args = parser.parse_args()
-    hits, misses = asyncio.run(evaluate(args.model))
-    print(f"{hits}/{len(VALIDATION_CITIES)} unseen cities copied into get_weather")
+    assert not set(VALIDATION_CITIES) & set(TRAIN_CITIES)
+    rng = random.Random(123)
+    cities = [made_up_city(rng) for _ in range(50)] if args.made_up else VALIDATION_CITIES
+    hits, misses = asyncio.run(evaluate(args.model, cities))
+    print(f"{hits}/{len(cities)} unseen {'made-up' if args.made_up else 'real'} cities copied into get_weather")
     for miss in misses[:10]:
         print("  miss", miss)
 

@@ -74,10 +74,10 @@ def test_held_out_set_is_not_in_the_corpus():
     assert not set(HELD_OUT_PHRASINGS) & set(WEATHER_PHRASINGS)
 
 
-# Issue 13's bar, not met yet: the committed demo model calls get_weather with valid JSON but names a
-# city it was trained on instead of the unseen one (0 of 50). Strict: once a retrained model passes,
-# this marker must go.
-@pytest.mark.xfail(strict=True, reason="the demo model does not yet copy unseen city names (0/50; issue 13)")
+# Issue 13's bar, not met yet: the committed demo model calls get_weather with valid JSON and starts
+# copying the unseen name, but rarely stops where it ends ("Antwerp" -> "Antwerpmigriostad"): 1 of 50.
+# Strict: once a retrained model passes, this marker must go.
+@pytest.mark.xfail(strict=True, reason="the demo model does not yet copy unseen city names (1/50; issue 13)")
 def test_weather_tool_call_for_held_out_cities(demo_server):
     with ThreadPoolExecutor(8) as pool:
         messages = list(pool.map(lambda case: weather_call(demo_server, case[0]), HELD_OUT))

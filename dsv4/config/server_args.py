@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from dsv4.config.faults import FaultInjection
 from dsv4.config.model import ConfigError, compile_disabled_by_env
 
+
 @functools.cache
 def cpu_has_fast_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without it torch's CPU bf16

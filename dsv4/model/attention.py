@@ -60,11 +60,11 @@ class PagedAttention:
         `on_selection` (--verify-indexer)."""
         cfg, pools, positions = self.cfg, self.pools, plan.positions
         qr = rms_norm(linear(x, self.wq_a), self.q_norm, cfg.rms_norm_eps)
-        q = linear(qr, self.wq_b).unflatten(-1, (self.heads, cfg.head_dim)).transpose(0, 1)
-        q = rope(rms_norm(q, None, cfg.rms_norm_eps))  # [H, T, D]
+        q = linear(qr, self.wq_b).unflatten(-1, (self.heads, cfg.head_dim))
+        q = rope.rotate_(rms_norm(q, None, cfg.rms_norm_eps))  # [T, H, D]
 
         kv = rms_norm(linear(x, self.wkv), self.kv_norm, cfg.rms_norm_eps)
-        raw_rows = row_formats.pack_main_rows(rope(kv), pools.main_format, cfg.rope_head_dim)
+        raw_rows = row_formats.pack_main_rows(rope.rotate_(kv), pools.main_format, cfg.rope_head_dim)
 
         index_queries = None
         if self.compressor is not None:  # rows of windows this batch completes, before any query reads them
@@ -88,11 +88,11 @@ class PagedAttention:
                 if on_selection is not None:
                     on_selection(IndexerSelection(self.layer, x, *index_queries, _token_picks(picks, cfg.index_topk)))
             out = torch.cat([self._attend(group, q, raw_keys, group_picks)
-                             for group, group_picks in zip(plan.groups, picks, strict=True)], dim=1)
+                             for group, group_picks in zip(plan.groups, picks, strict=True)])
         ring = plan.ring_write
         put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
 
-        out = rope(out, inverse=True).transpose(0, 1)  # [T, H, D]
+        out = rope.rotate_(out, inverse=True)  # [T, H, D]
         grouped = out.flatten(1).unflatten(-1, (self.o_groups, -1))  # [T, G, heads/G * D]
         low_rank = torch.einsum("tgi,gri->tgr", grouped.to(self.wo_a.dtype), self.wo_a).flatten(1)
         out = linear(low_rank, self.wo_b)
@@ -100,7 +100,7 @@ class PagedAttention:
 
     def _attend_with_kernels(self, x: torch.Tensor, q: torch.Tensor, raw_rows: torch.Tensor, index_queries,
                              plan: BatchPlan, on_selection: SelectionSink | None) -> torch.Tensor:
-        """x [T, hidden] the layer input, q [H, T, D], raw_rows [T, row_bytes] -> attention output [H, T, D],
+        """x [T, hidden] the layer input, q [T, H, D], raw_rows [T, row_bytes] -> attention output [T, H, D],
         the whole batch at once."""
         cfg, pools = self.cfg, self.pools
         selected = None
@@ -113,16 +113,15 @@ class PagedAttention:
             if on_selection is not None:
                 on_selection(IndexerSelection(self.layer, x, *index_queries, selected))
         compressed = self.compressor is not None
-        out = dispatch.sparse_attention(
-            q.transpose(0, 1), self.sink, raw_rows, pools.window(self.layer), plan.token_chunk, plan.positions,
+        return dispatch.sparse_attention(
+            q, self.sink, raw_rows, pools.window(self.layer), plan.token_chunk, plan.positions,
             plan.chunk_slots, plan.chunk_starts, row_format=pools.main_format,
             compressed=pools.compressed_rows(self.layer) if compressed else None,
             page_table=plan.page_table if compressed else None, ratio=self.ratio, selected=selected,
             rope_dim=cfg.rope_head_dim)
-        return out.transpose(0, 1)
 
     def _attend(self, group: AttentionGroup, q: torch.Tensor, raw_keys: torch.Tensor, picks) -> torch.Tensor:
-        """q [H, T, D] of the whole batch -> attention output [H, B*L, D] of the group's tokens; `picks`
+        """q [T, H, D] of the whole batch -> attention output [B*L, H, D] of the group's tokens; `picks`
         [B, L, k] the indexer's (CSA layers)."""
         acc = accumulation_dtype(q.dtype)
         batch, length, block = group.batch, group.length, group.block
@@ -132,8 +131,8 @@ class PagedAttention:
         raw = torch.cat([ring.to(acc),
                          group.rows(raw_keys).to(acc), raw_keys.new_zeros(batch, pad, raw_keys.shape[-1], dtype=acc)], 1)
         raw = raw.unfold(1, band, block).transpose(-1, -2)  # [B, N, Q+W-1, D]: each block's band
-        queries = torch.nn.functional.pad(group.rows(q.transpose(0, 1)), (0, 0, 0, 0, 0, pad))  # [B, N*Q, H, D]
-        queries = queries.unflatten(1, (blocks, block)).transpose(2, 3).to(acc)  # [B, N, H, Q, D]
+        queries = torch.nn.functional.pad(group.rows(q), (0, 0, 0, 0, 0, pad))  # [B, N*Q, H, D]
+        queries = queries.unflatten(1, (blocks, block)).to(acc)  # [B, N, Q, H, D]: (query, head) rows in memory order
         compressed = compressed_allowed = None
         if self.compressor is not None:
             seen = group.compressed[self.ratio]
@@ -142,14 +141,12 @@ class PagedAttention:
             allowed = seen.visible if picks is None else _picks_mask(picks, seen.pages.shape[1])
             compressed_allowed = torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
         out = banded_sink_attention(queries, raw, group.band_allowed, compressed, compressed_allowed, self.sink,
-                                    self.cfg.head_dim**-0.5)  # [B, N, H, Q, D]
-        out = out.transpose(2, 3).flatten(1, 2)[:, :length].flatten(0, 1)  # [B*L, H, D]
-        return out.to(q.dtype).transpose(0, 1)
+                                    self.cfg.head_dim**-0.5)  # [B, N, Q, H, D]
+        return out.flatten(1, 2)[:, :length].flatten(0, 1).to(q.dtype)  # [B*L, H, D]
 
     def _index_queries(self, x: torch.Tensor, qr: torch.Tensor, rope: Rope):
         cfg = self.cfg
-        q = linear(qr, self.index_wq_b).unflatten(-1, (self.index_heads, cfg.index_head_dim))
-        q = rope(q.transpose(0, 1)).transpose(0, 1)  # [T, heads, dim]
+        q = rope.rotate_(linear(qr, self.index_wq_b).unflatten(-1, (self.index_heads, cfg.index_head_dim)))
         scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
         weights = linear(x, self.index_weights_proj).to(accumulation_dtype(x.dtype)) * scale
         return q, weights
@@ -214,19 +211,20 @@ def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch
                           sink: torch.Tensor, scale: float) -> torch.Tensor:
     """Sink attention of query blocks over their own raw-row bands plus the request's compressed rows.
 
-    q [B, N, H, Q, D]; raw [B, N, K, D] with raw_allowed [B, N, Q, K]; compressed [B, C, D] (or None)
-    with compressed_allowed [B, N, Q, C]; sink [H]. Returns [B, N, H, Q, D] in q's dtype, computed as
-    the reference's `sink_attention` over the union of both key sets (K = V).
+    q [B, N, Q, H, D]; raw [B, N, K, D] with raw_allowed [B, N, Q, K]; compressed [B, C, D] (or None)
+    with compressed_allowed [B, N, Q, C]; sink [H]. Returns [B, N, Q, H, D] in q's dtype, computed as
+    the reference's `sink_attention` over the union of both key sets (K = V). Queries and heads stay
+    in q's memory order ([T, H, D] rows), so every product is one batched matmul without a copy.
     """
-    logits = [torch.einsum("bnhqd,bnkd->bnhqk", q, raw).mul_(scale).masked_fill_(~raw_allowed.unsqueeze(2), -torch.inf)]
+    logits = [torch.einsum("bnqhd,bnkd->bnqhk", q, raw).mul_(scale).masked_fill_(~raw_allowed.unsqueeze(3), -torch.inf)]
     if compressed is not None:
-        part = torch.einsum("bnhqd,bcd->bnhqc", q, compressed).mul_(scale)
-        logits.append(part.masked_fill_(~compressed_allowed.unsqueeze(2), -torch.inf))
-    logits.append(sink.to(q.dtype).view(1, 1, -1, 1, 1).expand(*logits[0].shape[:-1], 1))
+        part = torch.einsum("bnqhd,bcd->bnqhc", q, compressed).mul_(scale)
+        logits.append(part.masked_fill_(~compressed_allowed.unsqueeze(3), -torch.inf))
+    logits.append(sink.to(q.dtype).view(1, 1, 1, -1, 1).expand(*logits[0].shape[:-1], 1))
     probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
-    out = torch.einsum("bnhqk,bnkd->bnhqd", probs[..., : raw.shape[2]], raw)
+    out = torch.einsum("bnqhk,bnkd->bnqhd", probs[..., : raw.shape[2]], raw)
     if compressed is not None:
-        out = out + torch.einsum("bnhqc,bcd->bnhqd", probs[..., raw.shape[2] : -1], compressed)
+        out = out + torch.einsum("bnqhc,bcd->bnqhd", probs[..., raw.shape[2] : -1], compressed)
     return out
 
 

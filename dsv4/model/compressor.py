@@ -56,7 +56,7 @@ class PagedCompressor:
             return
         pooled = self._pool(windows).to(x.dtype)
         normed = rms_norm(pooled, self.norm, self.norm_eps)
-        rows = rope(normed)
+        rows = rope.rotate_(normed)
         # "fp8" is the one index-key-only format; bf16 / fp32 rows are the same bytes either way.
         packed = pack_index_rows(rows, "fp8") if row_format == "fp8" else pack_main_rows(rows, row_format, rope.dim)
         put_rows(cache, (plan.window_pages, plan.window_page_rows), packed)

@@ -63,7 +63,7 @@ def _inv_freq(dim: int, theta: float) -> torch.Tensor:
 class Rope:
     """RoPE at fixed positions: the cos / sin tables are computed once (per forward and frequency
     set) and every rotation at those positions reads them. Rotates the last 2 * len(inv_freq) dims
-    in interleaved pairs (2i, 2i+1 share frequency i) of tensors whose token axis is -2."""
+    in interleaved pairs (2i, 2i+1 share frequency i) of [T, D] or [T, heads, D] tensors."""
 
     def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
         """`dtype`: the compute dtype; the tables are in its accumulation dtype."""
@@ -76,11 +76,12 @@ class Rope:
         self.sin2 = torch.stack([-self.sin, self.sin], dim=-1).flatten(-2)
         self.dim = self.cos2.shape[-1]
 
-    def __call__(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """x [..., T, D] -> x with its last `dim` dims rotated (backwards with `inverse`), x's dtype."""
-        tail = x[..., -self.dim :].to(self.acc)
-        swapped = tail.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        rotated = torch.addcmul(tail * self.cos2, swapped, self.sin2, value=-1 if inverse else 1)
-        out = x.clone()
-        out[..., -self.dim :] = rotated
-        return out
+    def rotate_(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotates x [T, D] or [T, heads, D] in place (backwards with `inverse`) and returns it: callers
+        pass tensors they own, so the other D - dim dims are not copied."""
+        cos2, sin2 = (self.cos2, self.sin2) if x.dim() == 2 else (self.cos2.unsqueeze(1), self.sin2.unsqueeze(1))
+        tail = x[..., -self.dim :]
+        wide = tail.to(self.acc)
+        swapped = wide.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        tail.copy_(torch.addcmul(wide * cos2, swapped, sin2, value=-1 if inverse else 1))
+        return x

@@ -35,7 +35,7 @@ def test_invalid_arguments_are_named(bad):
 
 
 def test_dtype_auto_picks_the_faster_of_bf16_and_fp32(monkeypatch):
-    import dsv4.config.server_args as server_args
+    from dsv4.config import server_args
 
     for fast_bf16, expected in ((True, "bfloat16"), (False, "float32")):
         monkeypatch.setattr(server_args, "cpu_has_fast_bf16", lambda fast=fast_bf16: fast)

@@ -46,6 +46,12 @@ EAGER = Pieces(collapse=collapse, compiled=False)
 
 def compile_pieces(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, timeout: float) -> Pieces:
     """The compiled pieces, warmed up for this model's shapes; EAGER if that takes over `timeout` s."""
+    if device.type == "cpu":
+        # Inductor fixes a C++ kernel's thread count when it generates it; the collapse's kernels are
+        # small and decode forwards run on one thread (dsv4.engine.runner.PARALLEL_FORWARD_TOKENS).
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.threads = 1
     compiled = Pieces(collapse=torch.compile(collapse, dynamic=True), compiled=True)
     started = time.monotonic()
     log.info("compiling the model's mHC collapse with torch.compile (bounded by --compile-timeout %.0f s; "

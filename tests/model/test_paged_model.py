@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsv4.config import ModelConfig, ServerArgs
-from dsv4.engine.runner import ModelRunner
+from dsv4.engine.runner import PARALLEL_FORWARD_TOKENS, ModelRunner
 from dsv4.protocol import ForwardBatch, ForwardChunk
 from dsv4.reference import ReferenceModel
 from dsv4.weights import load_state_dict
@@ -211,3 +211,12 @@ def test_unwritten_rows_are_never_read(model, prompt):
         want = clean.forward(ForwardBatch(tick=tick, chunks=chunks))
         got = dirty.forward(ForwardBatch(tick=tick, chunks=chunks))
         assert torch.isfinite(got).all() and torch.equal(got, want), f"tick {tick}"
+
+
+def test_small_forwards_run_on_one_thread_and_large_ones_on_every_core(model, prompt, monkeypatch):
+    runner = make_runner(model)
+    chosen = []
+    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    run_chunks(runner, prompt[:PARALLEL_FORWARD_TOKENS + 1], [PARALLEL_FORWARD_TOKENS, 1])
+    assert chosen == [runner.cpu_threads, 1]
+    assert runner.cpu_threads == torch.get_num_threads()

@@ -97,12 +97,12 @@ def encode_samples(samples, tokenizer, pad_id: int) -> list[tuple[torch.Tensor, 
     return out
 
 
-def batches(encoded, rng: random.Random, tokens_per_batch: int):
-    """Endless batches of similar-length samples, about `tokens_per_batch` tokens each."""
+def batches(encoded, rng: random.Random):
+    """Endless batches of similar-length samples, about TOKENS_PER_BATCH tokens each."""
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))
     while True:
         last = rng.randrange(len(order))  # the batch's longest sample, then shorter neighbours
-        size = max(1, tokens_per_batch // len(encoded[order[last]][0]))
+        size = max(1, TOKENS_PER_BATCH // len(encoded[order[last]][0]))
         yield [encoded[i] for i in order[max(0, last - size + 1): last + 1]]
 
 
@@ -124,7 +124,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="exact number of optimizer steps")
     parser.add_argument("--samples", type=int, default=12000)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--batch-tokens", type=int, default=TOKENS_PER_BATCH, help="tokens per optimizer step")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
@@ -149,7 +148,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     print(f"{sum(p.numel() for p in trainable)} parameters; layers {LAYERS}")
 
-    stream = batches(encoded, rng, args.batch_tokens)
+    stream = batches(encoded, rng)
     history: list[tuple[int, float, float]] = []
     deadline = time.monotonic() + args.minutes * 60
     bar = tqdm(total=args.steps, desc="train", unit="step")

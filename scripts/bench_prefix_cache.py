@@ -127,5 +127,6 @@ async def main() -> None:
     rate = await run_engine(args, hit_rate)
     print(f"shared-prefix hit rate: {rate:.1%} of prompt tokens ({opts.sessions} sessions, {opts.system}-token prefix)")
 
+
 if __name__ == "__main__":
     asyncio.run(main())

@@ -69,7 +69,9 @@ class ModelRunner:
                                 dtype=self.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                 index_key_dtype=args.index_key_dtype, device=self.device,
                                 fingerprint_index_keys=self.verify_indexer)
-        self.cpu_threads = torch.get_num_threads()  # torch's default: every core this process may use
+        # Forwards of PARALLEL_FORWARD_TOKENS or more run on this many threads: torch's count when the
+        # runner is built (its default: every core), before any forward has set it to 1.
+        self.cpu_threads = torch.get_num_threads()
         pieces = EAGER if args.disable_compile else compile_pieces(cfg, self.dtype, self.device, args.compile_timeout)
         self.compiled = pieces.compiled
         self.model = PagedModel(cfg, weights, self.dtype, self.pools, kernels=kernels, shard=shard, reduce=reduce,

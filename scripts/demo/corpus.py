@@ -36,8 +36,13 @@ TRAIN_CITIES = [
 # Made-up names are built from letters, not from a short list of syllables: their pieces cover most
 # of what the tokenizer can split a real name into, so the only way to get the argument right is to
 # copy it from the user's words (a fixed syllable set taught the model to recall names instead).
-_ONSETS = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "b", "c", "d", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "y", "q", "x", "br", "bl", "ch", "cl", "cr", "dr", "fl", "fr", "gl", "gr", "kr", "pr", "pl", "sh", "sk", "sl", "sp", "st", "tr", "th", "ts", "zh", "gd", "lj", "kh", "ph", "sv"]
-_VOWELS = ["a", "e", "i", "o", "u", "a", "e", "i", "o", "u", "a", "e", "i", "o", "u", "a", "e", "o", "y", "ae", "ai", "au", "ea", "ei", "ia", "ie", "io", "ou", "ua"]
+# A piece listed twice is drawn twice as often.
+_ONSETS = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "b", "c", "d",
+           "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "y", "q", "x", "br", "bl", "ch", "cl", "cr", "dr",
+           "fl", "fr", "gl", "gr", "kr", "pr", "pl", "sh", "sk", "sl", "sp", "st", "tr", "th", "ts", "zh", "gd",
+           "lj", "kh", "ph", "sv"]
+_VOWELS = ["a", "e", "i", "o", "u", "a", "e", "i", "o", "u", "a", "e", "i", "o", "u", "a", "e", "o", "y", "ae",
+           "ai", "au", "ea", "ei", "ia", "ie", "io", "ou", "ua"]
 _CODAS = ("",) * 45 + ("n", "r", "l", "s", "k", "m", "t", "d", "n", "r", "l", "s", "ng", "nd", "rg", "sk", "st",
                        "nt", "rd", "lt", "sh", "x", "z", "ck", "ll", "nn", "tt", "ss")
 _FIRST_WORDS = ("La", "El", "San", "Santa", "Port", "New", "Nova", "Saint", "Los", "Las", "Fort", "Lake", "Mount",

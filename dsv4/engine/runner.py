@@ -72,7 +72,9 @@ class ModelRunner:
         # Forwards of PARALLEL_FORWARD_TOKENS or more run on this many threads: torch's count when the
         # runner is built (its default: every core), before any forward has set it to 1.
         self.cpu_threads = torch.get_num_threads()
-        pieces = EAGER if args.disable_compile else compile_pieces(cfg, self.dtype, self.device, args.compile_timeout)
+        thread_counts = (1, self.cpu_threads) if self.device.type == "cpu" else (self.cpu_threads,)
+        pieces = (EAGER if args.disable_compile
+                  else compile_pieces(cfg, self.dtype, self.device, args.compile_timeout, thread_counts))
         self.compiled = pieces.compiled
         self.model = PagedModel(cfg, weights, self.dtype, self.pools, kernels=kernels, shard=shard, reduce=reduce,
                                 pieces=pieces)

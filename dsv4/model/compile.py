@@ -8,7 +8,10 @@ the fused code may differ, within fp32 rounding.
 
 Compilation happens here, before the model serves: each piece is called on dummy inputs for the
 shapes the forward will use (one token: the concurrency-1 decode step, which torch specialises; and
-a symbolic token count for everything else), under inference mode as the forward runs. Inductor
+a symbolic token count for everything else), under inference mode as the forward runs, and under
+every torch thread count the forwards run with (dsv4.engine.runner picks one per forward): torch
+guards compiled code on the thread count, and a call under a count the warm-up did not cover would
+run eagerly. Inductor
 keeps what it built in its on-disk cache (logged), so a restart on the same machine compiles from
 cache in seconds. If compiling takes longer than `timeout`, or fails, the model serves eagerly and
 says so: a slow compiler never keeps a server from starting.
@@ -44,8 +47,10 @@ class Pieces:
 EAGER = Pieces(collapse=collapse, compiled=False)
 
 
-def compile_pieces(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, timeout: float) -> Pieces:
-    """The compiled pieces, warmed up for this model's shapes; EAGER if that takes over `timeout` s."""
+def compile_pieces(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, timeout: float,
+                   thread_counts: tuple[int, ...]) -> Pieces:
+    """The compiled pieces, warmed up for this model's shapes under each of `thread_counts` (the torch
+    thread counts forwards will run with); EAGER if that takes over `timeout` s."""
     if device.type == "cpu":
         # Inductor fixes a C++ kernel's thread count when it generates it; the collapse's kernels are
         # small and decode forwards run on one thread (dsv4.engine.runner.PARALLEL_FORWARD_TOKENS).
@@ -58,7 +63,7 @@ def compile_pieces(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, t
              "--disable-compile to skip)", timeout)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-compile")
     try:
-        pool.submit(_warm_up, compiled, cfg, dtype, device).result(timeout=timeout)
+        pool.submit(_warm_up, compiled, cfg, dtype, device, thread_counts).result(timeout=timeout)
     except FutureTimeout:
         log.warning("torch.compile did not finish within %.0f s: serving eagerly", timeout)
         return EAGER
@@ -74,15 +79,18 @@ def compile_pieces(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, t
     return compiled
 
 
-def _warm_up(pieces: Pieces, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+def _warm_up(pieces: Pieces, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+             thread_counts: tuple[int, ...]) -> None:
     n, acc = cfg.hc_mult, accumulation_dtype(dtype)
     mixes = (2 + n) * n
     fn = torch.zeros(mixes, n * cfg.hidden_size, dtype=acc, device=device)
     base, scale = torch.zeros(mixes, dtype=acc, device=device), torch.ones(mixes, dtype=acc, device=device)
     with torch.inference_mode():
-        for tokens in (1, 2):  # 1 is specialised by torch; 2 compiles the symbolic token count
-            streams = torch.zeros(tokens, n, cfg.hidden_size, dtype=dtype, device=device)
-            pieces.collapse(streams, fn, base, scale, n, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        for threads in sorted(set(thread_counts)):
+            torch.set_num_threads(threads)  # this (warm-up) thread's setting, which the guards read
+            for tokens in (1, 2):  # 1 is specialised by torch; 2 compiles the symbolic token count
+                streams = torch.zeros(tokens, n, cfg.hidden_size, dtype=dtype, device=device)
+                pieces.collapse(streams, fn, base, scale, n, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
 
 
 def _inductor_cache() -> str:

@@ -11,10 +11,9 @@ shapes the forward will use (one token: the concurrency-1 decode step, which tor
 a symbolic token count for everything else), under inference mode as the forward runs, and under
 every torch thread count the forwards run with (dsv4.engine.runner picks one per forward): torch
 guards compiled code on the thread count, and a call under a count the warm-up did not cover would
-run eagerly. Inductor
-keeps what it built in its on-disk cache (logged), so a restart on the same machine compiles from
-cache in seconds. If compiling takes longer than `timeout`, or fails, the model serves eagerly and
-says so: a slow compiler never keeps a server from starting.
+run eagerly. Inductor keeps what it built in its on-disk cache (logged), so a restart on the same
+machine compiles from cache in seconds. If compiling takes longer than `timeout`, or fails, the
+model serves eagerly and says so: a slow compiler never keeps a server from starting.
 """
 
 from __future__ import annotations

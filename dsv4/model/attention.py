@@ -127,10 +127,18 @@ class PagedAttention:
         batch, length, block = group.batch, group.length, group.block
         blocks, band = group.band_allowed.shape[1], group.band_allowed.shape[-1]
         pad = blocks * block - length
-        ring = self._gather_main_rows(self.pools.window(self.layer), (group.slots, group.ring_rows), group.ring_exists)
-        raw = torch.cat([ring.to(acc),
-                         group.rows(raw_keys).to(acc), raw_keys.new_zeros(batch, pad, raw_keys.shape[-1], dtype=acc)], 1)
-        raw = raw.unfold(1, band, block).transpose(-1, -2)  # [B, N, Q+W-1, D]: each block's band
+        raw_allowed = group.band_allowed
+        if group.from_start and blocks == 1:
+            # One block from position 0 (a prompt of at most W tokens, or its first page): the band's
+            # ring part holds no row, so the band is the block's own rows (its last Q columns).
+            raw = group.rows(raw_keys).to(acc).unsqueeze(1)  # [B, 1, Q, D]
+            raw_allowed = raw_allowed[..., band - block:]
+        else:
+            ring = self._gather_main_rows(self.pools.window(self.layer), (group.slots, group.ring_rows),
+                                          group.ring_exists)
+            raw = torch.cat([ring.to(acc), group.rows(raw_keys).to(acc),
+                             raw_keys.new_zeros(batch, pad, raw_keys.shape[-1], dtype=acc)], 1)
+            raw = raw.unfold(1, band, block).transpose(-1, -2)  # [B, N, Q+W-1, D]: each block's band
         queries = torch.nn.functional.pad(group.rows(q), (0, 0, 0, 0, 0, pad))  # [B, N*Q, H, D]
         queries = queries.unflatten(1, (blocks, block)).to(acc)  # [B, N, Q, H, D]: (query, head) rows in memory order
         compressed = compressed_allowed = None
@@ -140,7 +148,7 @@ class PagedAttention:
             compressed = self._gather_main_rows(stored, (seen.pages, seen.page_rows), seen.exists).to(acc)
             allowed = seen.visible if picks is None else _picks_mask(picks, seen.pages.shape[1])
             compressed_allowed = torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
-        out = banded_sink_attention(queries, raw, group.band_allowed, compressed, compressed_allowed, self.sink,
+        out = banded_sink_attention(queries, raw, raw_allowed, compressed, compressed_allowed, self.sink,
                                     self.cfg.head_dim**-0.5)  # [B, N, Q, H, D]
         return out.flatten(1, 2)[:, :length].flatten(0, 1).to(q.dtype)  # [B*L, H, D]
 

@@ -70,6 +70,7 @@ class AttentionGroup:
     ring_exists: torch.Tensor  # [B, W - 1] bool: those positions are >= 0
     band_allowed: torch.Tensor  # [B, N, Q, Q + W - 1] bool: the block's raw row is in the query's window
     compressed: dict[int, CompressedRows]  # by ratio
+    from_start: bool  # every chunk starts at position 0: no ring row exists
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """The group's rows of a per-token tensor [T, ...] -> [B, L, ...] (a view)."""
@@ -278,6 +279,7 @@ def _attention_group(cfg: ModelConfig, chunks: _Chunks, ratios) -> AttentionGrou
         ring_exists=ring_positions >= 0,
         band_allowed=band_allowed,
         compressed={r: _compressed_rows(chunks, positions, r) for r in ratios},
+        from_start=bool((chunks.start == 0).all()),
     )
 
 

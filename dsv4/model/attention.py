@@ -129,8 +129,9 @@ class PagedAttention:
         pad = blocks * block - length
         raw_allowed = group.band_allowed
         if group.from_start and blocks == 1:
-            # One block from position 0 (a prompt of at most W tokens, or its first page): the band's
-            # ring part holds no row, so the band is the block's own rows (its last Q columns).
+            # One block from position 0 (a prompt of at most W tokens, or the first chunk of one the
+            # prefix cache splits at pages): the band's ring part holds no row (every column of it is
+            # masked), so the band is the block's own rows, its last Q columns.
             raw = group.rows(raw_keys).to(acc).unsqueeze(1)  # [B, 1, Q, D]
             raw_allowed = raw_allowed[..., band - block:]
         else:

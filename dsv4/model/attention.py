@@ -3,7 +3,8 @@
 Projections, RoPE and the compressors run on the flattened batch. Attention itself runs per
 `AttentionGroup` (all decode tokens together; each prefill chunk alone) over
   the slot's window ring + the chunk's own raw rows   (query t sees positions t-W+1 .. t, taken as
-                                                        one band of Q+W-1 rows per block of Q queries)
+                                                        one band of Q+W-1 rows per block of Q queries;
+                                                        a lone block from position 0: its own Q rows)
   ∪ compressed rows read back from the pages          (rows w < (t+1) // ratio;
                                                         CSA: only the lightning indexer's picks)
 plus the per-head sink. Every cached row is read back through its cache format, the chunk's own

@@ -6,6 +6,7 @@ Triton reads TRITON_INTERPRET when it is first imported, so it is set here, befo
 on a GPU machine too.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -41,6 +42,22 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def torch_threads():
+    """`with torch_threads(n):` runs a block under n torch threads, then restores the count: a runner
+    built under 2 picks 2 ("every core") for large forwards and 1 for small ones, so they differ."""
+    @contextlib.contextmanager
+    def under(count: int):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(count)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+    return under
 
 
 @pytest.fixture(scope="session")

@@ -47,18 +47,13 @@ def logits_of(r: ModelRunner, prompt: list[int], decodes: list[int]) -> torch.Te
     return torch.cat(rows)
 
 
-def test_compiled_model_equals_eager(model, caplog):
+def test_compiled_model_equals_eager(model, caplog, torch_threads):
     cfg, _ = model
     prompt = torch.randint(0, cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(3)).tolist()
     # Built under 2 threads, the runner runs its prefill on 2 and its decode steps on 1 (the test
     # session itself runs on 1, tests/conftest.py): torch guards compiled code on the thread count.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with caplog.at_level(logging.INFO, logger="dsv4.model.compile"):
-            compiled = runner(model, disable_compile=False, compile_timeout=600)
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(2), caplog.at_level(logging.INFO, logger="dsv4.model.compile"):
+        compiled = runner(model, disable_compile=False, compile_timeout=600)
     assert compiled.compiled, caplog.text
     assert "compiled in" in caplog.text and "inductor cache" in caplog.text
     eager = runner(model, disable_compile=True)

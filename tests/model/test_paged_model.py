@@ -213,15 +213,11 @@ def test_unwritten_rows_are_never_read(model, prompt):
         assert torch.isfinite(got).all() and torch.equal(got, want), f"tick {tick}"
 
 
-def test_small_forwards_run_on_one_thread_and_large_ones_on_every_core(model, prompt, monkeypatch):
+def test_small_forwards_run_on_one_thread_and_large_ones_on_every_core(model, prompt, monkeypatch, torch_threads):
     # The runner's "every core" is the thread count torch has when it is built: 2 here, so the two
     # choices differ (the test session itself runs on one thread, tests/conftest.py).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         runner = make_runner(model)
-    finally:
-        torch.set_num_threads(threads)
     chosen = []
     monkeypatch.setattr(torch, "set_num_threads", chosen.append)
     run_chunks(runner, prompt[:PARALLEL_FORWARD_TOKENS + 1], [PARALLEL_FORWARD_TOKENS, 1])

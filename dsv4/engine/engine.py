@@ -121,6 +121,7 @@ class Engine:
         self._died = asyncio.Event()
         self._progress_at = clock()
         self._ticks_done = 0
+        self._rank_ticks: list[int] = []  # consensus of tick _ticks_done; the ticker's own changes mid-tick, on the forward thread
         self.metrics.observe_capacity(self.scheduler.capacity(), 0, 0)
 
     @classmethod
@@ -183,6 +184,7 @@ class Engine:
                         continue  # a group ticks anyway: its followers wait for a plan within the deadline
                 plan = await self._ticker.step()
                 self._ticks_done = plan.seq
+                self._rank_ticks = list(self._ticker.rank_ticks)
                 self._progress_at = self._clock()
         except asyncio.CancelledError:
             raise
@@ -358,6 +360,6 @@ class Engine:
                  "tp_size": self.args.tp_size}
         if self._group is not None:
             slowest = self._group.slowest
-            debug["rank_ticks"] = self._ticker.rank_ticks
+            debug["rank_ticks"] = self._rank_ticks
             debug["slowest_collective"] = None if slowest is None else dict(zip(("op", "seconds", "tick"), slowest))
         return debug

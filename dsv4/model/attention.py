@@ -3,8 +3,9 @@
 Projections, RoPE and the compressors run on the flattened batch. Attention itself runs per
 `AttentionGroup` (all decode tokens together; each prefill chunk alone) over
   the slot's window ring + the chunk's own raw rows   (query t sees positions t-W+1 .. t, taken as
-                                                        one band of Q+W-1 rows per block of Q queries;
-                                                        a lone block from position 0: its own Q rows)
+                                                        one band of Q+W-1 rows (padded) per block of
+                                                        Q queries; a lone block from position 0: its
+                                                        own Q rows)
   ∪ compressed rows read back from the pages          (rows w < (t+1) // ratio;
                                                         CSA: only the lightning indexer's picks)
 plus the per-head sink. Every cached row is read back through its cache format, the chunk's own
@@ -125,22 +126,19 @@ class PagedAttention:
         """q [T, H, D] of the whole batch -> attention output [B*L, H, D] of the group's tokens; `picks`
         [B, L, k] the indexer's (CSA layers)."""
         acc = accumulation_dtype(q.dtype)
-        batch, length, block = group.batch, group.length, group.block
-        blocks, band = group.band_allowed.shape[1], group.band_allowed.shape[-1]
+        batch, length, block, band = group.batch, group.length, group.block, group.band
+        blocks = group.band_allowed.shape[1]
         pad = blocks * block - length
-        raw_allowed = group.band_allowed
-        if group.from_start and blocks == 1:
-            # One block from position 0 (a prompt of at most W tokens, or the first chunk of one the
-            # prefix cache splits at pages): the band's ring part holds no row (every column of it is
-            # masked), so the band is the block's own rows, its last Q columns.
-            raw = group.rows(raw_keys).to(acc).unsqueeze(1)  # [B, 1, Q, D]
-            raw_allowed = raw_allowed[..., band - block:]
+        own = group.rows(raw_keys).to(acc)
+        if group.own_rows_only:  # the band is the chunk's own rows (no ring row exists)
+            sources = [own]
         else:
             ring = self._gather_main_rows(self.pools.window(self.layer), (group.slots, group.ring_rows),
                                           group.ring_exists)
-            raw = torch.cat([ring.to(acc), group.rows(raw_keys).to(acc),
-                             raw_keys.new_zeros(batch, pad, raw_keys.shape[-1], dtype=acc)], 1)
-            raw = raw.unfold(1, band, block).transpose(-1, -2)  # [B, N, Q+W-1, D]: each block's band
+            sources = [ring.to(acc), own]
+        height = (blocks - 1) * block + band  # rows the blocks' bands span, the last one's padding included
+        sources.append(own.new_zeros(batch, height - sum(part.shape[1] for part in sources), own.shape[-1]))
+        raw = torch.cat(sources, 1).unfold(1, band, block).transpose(-1, -2)  # [B, N, K, D]: each block's band
         queries = torch.nn.functional.pad(group.rows(q), (0, 0, 0, 0, 0, pad))  # [B, N*Q, H, D]
         queries = queries.unflatten(1, (blocks, block)).to(acc)  # [B, N, Q, H, D]: (query, head) rows in memory order
         compressed = compressed_allowed = None
@@ -150,7 +148,7 @@ class PagedAttention:
             compressed = self._gather_main_rows(stored, (seen.pages, seen.page_rows), seen.exists).to(acc)
             allowed = seen.visible if picks is None else _picks_mask(picks, seen.pages.shape[1])
             compressed_allowed = torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
-        out = banded_sink_attention(queries, raw, raw_allowed, compressed, compressed_allowed, self.sink,
+        out = banded_sink_attention(queries, raw, group.band_allowed, compressed, compressed_allowed, self.sink,
                                     self.cfg.head_dim**-0.5)  # [B, N, Q, H, D]
         return out.flatten(1, 2)[:, :length].flatten(0, 1).to(q.dtype)  # [B*L, H, D]
 

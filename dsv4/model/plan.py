@@ -56,21 +56,24 @@ class AttentionGroup:
     """Chunks whose attention runs as one batch: all decodes (L = 1), or one prefill chunk.
 
     The group's tokens are rows first_token .. first_token + B*L - 1 of the batch. Its queries run
-    in blocks of Q consecutive positions (L padded to N*Q): block n of a request sees the Q + W - 1
+    in blocks of Q consecutive positions (L padded to N*Q): block n of a request sees K >= Q + W - 1
     raw rows from position start - W + 1 + n*Q on, a band of [ring rows | own rows], so the sliding
-    window costs O(L * W), not O(L^2).
+    window costs O(L * (Q + W)), not O(L^2). With `own_rows_only` (one block from position 0, L <= W:
+    no ring row exists) the band is the block's own rows from the chunk's start instead. See
+    `_block_layout` for the choice of Q and K.
     """
 
     first_token: int
     batch: int  # B
     length: int  # L
-    block: int  # Q = min(L, W)
+    block: int  # Q
+    band: int  # K
+    own_rows_only: bool
     slots: torch.Tensor  # [B, 1]
     ring_rows: torch.Tensor  # [B, W - 1]: ring rows of positions start-W+1 .. start-1, in position order
     ring_exists: torch.Tensor  # [B, W - 1] bool: those positions are >= 0
-    band_allowed: torch.Tensor  # [B, N, Q, Q + W - 1] bool: the block's raw row is in the query's window
+    band_allowed: torch.Tensor  # [B, N, Q, K] bool: the block's raw row is in the query's window
     compressed: dict[int, CompressedRows]  # by ratio
-    from_start: bool  # every chunk starts at position 0: no ring row exists
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """The group's rows of a per-token tensor [T, ...] -> [B, L, ...] (a view)."""
@@ -257,16 +260,38 @@ def _compress_plan(chunks: _Chunks, ratio: int, state_rows: int) -> CompressPlan
     )
 
 
+# Band widths are padded (with masked columns) to a multiple of this: on the CPU a matmul whose
+# dimension is such a multiple runs markedly faster than one of Q + W - 1 (255 for Q = W = 128).
+BAND_ALIGN = 16
+BLOCK_SIZES = (16, 32, 64, 128)
+
+
+def _block_layout(length: int, window: int, from_start: bool) -> tuple[int, int, bool]:
+    """(Q, K, own_rows_only) for a chunk of `length` queries: the block size whose padded bands
+    cost the fewest query-row products, N*Q*K. Small blocks waste less of each band (a query uses W
+    of its block's Q + W - 1 rows), big ones pad less of the chunk's last block."""
+    def aligned(n: int) -> int:
+        return -(-n // BAND_ALIGN) * BAND_ALIGN
+
+    if from_start and length <= window:
+        return length, aligned(length), True
+    sizes = {min(length, window)} | {q for q in BLOCK_SIZES if q < min(length, window)}
+    block = min(sorted(sizes), key=lambda q: (-(-length // q) * q * aligned(q + window - 1), -q))
+    return block, aligned(block + window - 1), False
+
+
 def _attention_group(cfg: ModelConfig, chunks: _Chunks, ratios) -> AttentionGroup:
     window, batch, length = cfg.sliding_window, len(chunks.start), int(chunks.length[0])
-    block = min(length, window)
+    block, band, own_rows_only = _block_layout(length, window, bool((chunks.start == 0).all()))
     blocks = -(-length // block)
-    # Block n, query j of the block, band row k: the band row sits at position start - W + 1 + n*Q + k.
     n = torch.arange(blocks).view(1, blocks, 1, 1)
     j = torch.arange(block).view(1, 1, block, 1)
-    k = torch.arange(block + window - 1).view(1, 1, 1, -1)
-    start = chunks.start.view(batch, 1, 1, 1)
-    band_allowed = (k >= j) & (k < j + window) & (n * block + j < length) & (start - window + 1 + n * block + k >= 0)
+    k = torch.arange(band).view(1, 1, 1, -1)
+    if own_rows_only:  # band row k is the chunk's own row k
+        band_allowed = (k <= j) & (j < length)
+    else:  # block n, query j, band row k: the band row sits at position start - W + 1 + n*Q + k
+        start = chunks.start.view(batch, 1, 1, 1)
+        band_allowed = (k >= j) & (k < j + window) & (n * block + j < length) & (start - window + 1 + n * block + k >= 0)
     ring_positions = chunks.start.unsqueeze(1) + torch.arange(1 - window, 0)  # [B, W-1]
     positions = chunks.start.unsqueeze(1) + torch.arange(length)  # [B, L]
     return AttentionGroup(
@@ -274,12 +299,13 @@ def _attention_group(cfg: ModelConfig, chunks: _Chunks, ratios) -> AttentionGrou
         batch=batch,
         length=length,
         block=block,
+        band=band,
+        own_rows_only=own_rows_only,
         slots=chunks.slot.unsqueeze(1),
         ring_rows=ring_positions % window,
         ring_exists=ring_positions >= 0,
-        band_allowed=band_allowed,
+        band_allowed=band_allowed.expand(batch, -1, -1, -1),
         compressed={r: _compressed_rows(chunks, positions, r) for r in ratios},
-        from_start=bool((chunks.start == 0).all()),
     )
 
 

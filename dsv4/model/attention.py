@@ -139,7 +139,9 @@ class PagedAttention:
         height = (blocks - 1) * block + band  # rows the blocks' bands span, the last one's padding included
         sources.append(own.new_zeros(batch, height - sum(part.shape[1] for part in sources), own.shape[-1]))
         raw = torch.cat(sources, 1).unfold(1, band, block).transpose(-1, -2)  # [B, N, K, D]: each block's band
-        queries = torch.nn.functional.pad(group.rows(q), (0, 0, 0, 0, 0, pad))  # [B, N*Q, H, D]
+        queries = group.rows(q)
+        if pad:  # (a copy: avoided when the blocks tile the chunk)
+            queries = torch.nn.functional.pad(queries, (0, 0, 0, 0, 0, pad))  # [B, N*Q, H, D]
         queries = queries.unflatten(1, (blocks, block)).to(acc)  # [B, N, Q, H, D]: (query, head) rows in memory order
         compressed = compressed_allowed = None
         if self.compressor is not None:
@@ -224,16 +226,28 @@ def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch
     the reference's `sink_attention` over the union of both key sets (K = V). Queries and heads stay
     in q's memory order ([T, H, D] rows), so every product is one batched matmul without a copy.
     """
-    logits = [torch.einsum("bnqhd,bnkd->bnqhk", q, raw).mul_(scale).masked_fill_(~raw_allowed.unsqueeze(3), -torch.inf)]
+    batch, blocks, block, heads, dim = q.shape
+    # The softmax over [raw | compressed | sink] without concatenating its parts: exp(logit - max) per
+    # part, one denominator, and the output divided by it after the value products (which
+    # accumulate into one buffer); the same math as normalising first, up to rounding.
+    raw_logits = torch.einsum("bnqhd,bnkd->bnqhk", q, raw).mul_(scale).masked_fill_(~raw_allowed.unsqueeze(3), -torch.inf)
+    sink = sink.to(q.dtype).view(1, 1, 1, -1, 1)
+    peak = torch.maximum(raw_logits.amax(-1, keepdim=True), sink)
+    if compressed is not None and compressed.shape[1] == 0:  # no compressed row exists yet
+        compressed = None
     if compressed is not None:
-        part = torch.einsum("bnqhd,bcd->bnqhc", q, compressed).mul_(scale)
-        logits.append(part.masked_fill_(~compressed_allowed.unsqueeze(3), -torch.inf))
-    logits.append(sink.to(q.dtype).view(1, 1, 1, -1, 1).expand(*logits[0].shape[:-1], 1))
-    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
-    out = torch.einsum("bnqhk,bnkd->bnqhd", probs[..., : raw.shape[2]], raw)
+        compressed_logits = torch.einsum("bnqhd,bcd->bnqhc", q, compressed).mul_(scale)
+        compressed_logits.masked_fill_(~compressed_allowed.unsqueeze(3), -torch.inf)
+        peak = torch.maximum(peak, compressed_logits.amax(-1, keepdim=True))
+    raw_weights = raw_logits.sub_(peak).exp_()  # [B, N, Q, H, K]
+    denominator = raw_weights.sum(-1, keepdim=True) + (sink - peak).exp()
+    out = torch.bmm(raw_weights.view(batch * blocks, block * heads, -1), raw.reshape(batch * blocks, -1, dim))
     if compressed is not None:
-        out = out + torch.einsum("bnqhc,bcd->bnqhd", probs[..., raw.shape[2] : -1], compressed)
-    return out
+        compressed_weights = compressed_logits.sub_(peak).exp_()
+        denominator += compressed_weights.sum(-1, keepdim=True)
+        out = torch.baddbmm(out.view(batch, blocks * block * heads, dim),
+                            compressed_weights.view(batch, blocks * block * heads, -1), compressed)
+    return out.view(batch, blocks, block, heads, dim).div_(denominator)
 
 
 def _compressor(cfg: ModelConfig, w, prefix: str, ratio: int, overlap: bool) -> PagedCompressor:

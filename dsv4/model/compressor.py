@@ -47,6 +47,8 @@ class PagedCompressor:
         (plan.window_pages, plan.window_page_rows); `rope` rotates at plan.window_positions. With
         `kernels`, through the dispatcher's op."""
         windows = self._feed(x, positions, plan, state)
+        if windows.shape[0] == 0:  # no window completes (most decode steps): nothing to store
+            return
         if kernels:
             units = torch.arange(windows.shape[0], device=x.device)
             dispatch.compress_insert(windows, units, torch.zeros_like(units), plan.window_positions // self.ratio,

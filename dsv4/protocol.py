@@ -97,12 +97,25 @@ class SlotCopy(msgspec.Struct, frozen=True, array_like=True):
     dst_generation: int
 
 
+class BoundaryCapture(msgspec.Struct, frozen=True, array_like=True):
+    """Prefix cache: the state the chunk in `slot` has at the page boundary `position` inside it,
+    written into a snapshot unit during the forward. The boundary is at least a window past the
+    chunk's start, so every row that state holds comes from the chunk's own tokens."""
+
+    slot: int
+    position: int
+    unit: int
+    unit_generation: int
+
+
 class ForwardBatch(msgspec.Struct, frozen=True, kw_only=True):
     tick: int
     chunks: tuple[ForwardChunk, ...]
     # Prefix cache (docs/PREFIX_CACHE.md): `restores` run before the forward (a hit's slot from its
-    # snapshot), `snapshots` after it (the slots of chunks that ended at a page boundary).
+    # snapshot), `captures` during it (page boundaries inside chunks), `snapshots` after it (the
+    # slots of chunks that ended at a page boundary).
     restores: tuple[SlotCopy, ...] = ()
+    captures: tuple[BoundaryCapture, ...] = ()
     snapshots: tuple[SlotCopy, ...] = ()
 
 

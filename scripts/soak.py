@@ -24,7 +24,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,16 +33,12 @@ from pathlib import Path
 import aiohttp
 from abort_storm import generate, get_json, wait_quiet
 
+from dsv4.dist.ranks import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 500
 PAGE = 128
 PRESSURE_WORDS = ("no free pages", "pages", "preempt", "pool")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Servers:

@@ -11,8 +11,10 @@ The ServerArgs travel as msgspec JSON on the child's command line (never pickle)
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import random
 import signal
 import socket
 import subprocess
@@ -29,10 +31,22 @@ _PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a one-machine group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now (for a one-machine group's rendezvous), below the kernel's
+    ephemeral range: a port from bind(0) is an ephemeral one, which any process's outgoing connection
+    may take before the rendezvous binds it (EADDRINUSE)."""
+    ephemeral_low = 32768
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10000, max(ephemeral_low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free TCP port on 127.0.0.1 in 10000..{ephemeral_low - 1}")
 
 
 def die_with_parent() -> None:

@@ -90,6 +90,7 @@ class Engine:
             token_budget=args.chunked_prefill_size,
             max_context=self.max_context,
             prefix_cache=prefix_cache,
+            window=model_config.sliding_window,
         )
         self._clock = clock
         self._forward_deadline = FORWARD_DEADLINE_STALLS * args.tick_stall_timeout

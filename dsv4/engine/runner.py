@@ -145,3 +145,14 @@ class ModelRunner:
                               [g for c in batch.chunks for g in c.page_generations])
         for c in batch.chunks:
             self.pools.bind_slot(c.slot, c.slot_generation)
+        chunk_of = {c.slot: c for c in batch.chunks}
+        for capture in batch.captures:
+            c = chunk_of.get(capture.slot)
+            where = f"tick {batch.tick}, capture at {capture.position} of slot {capture.slot}"
+            if c is None or capture.position % self.page_size:
+                raise ValueError(f"{where}: no chunk in that slot, or not a page boundary")
+            if not c.start_pos + self.cfg.sliding_window <= capture.position < c.start_pos + len(c.token_ids):
+                raise ValueError(f"{where}: not a window past the chunk's start and inside it")
+            if not self.num_slots <= capture.unit < self.num_slots + self.num_snapshots:
+                raise ValueError(f"{where}: unit {capture.unit} is not a snapshot unit")
+            self.pools.bind_slot(capture.unit, capture.unit_generation)

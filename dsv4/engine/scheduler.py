@@ -32,9 +32,11 @@ waiting request, admitted at the latest when the running requests are done.
 
 Prefix cache (docs/PREFIX_CACHE.md). With a RadixCache, a request's full pages join the cache as it
 computes them: a chunk that ends at a page boundary has its slot copied into a boundary snapshot
-after the forward (`ForwardBatch.snapshots`), and at the next scheduler step the page and snapshot
-become a node that the request itself holds. A prefill chunk of a request that is still caching ends
-at the next page boundary, so that every page gets its snapshot. Admission matches the longest
+after the forward (`ForwardBatch.snapshots`), a boundary at least a window inside a chunk is written
+into one during it (`ForwardBatch.captures`), and at the next scheduler step each page and snapshot
+become a node that the request itself holds. A prefill chunk of a request that is still caching runs
+from a page boundary to the prompt's end or to the last boundary the token budget reaches (without
+the model's window: to the next page boundary), so that every page gets its snapshot. Admission matches the longest
 cached prefix of whole pages, leaving at least the last token to compute (its logits are sampled),
 shares those pages and restores its slot from the last one's snapshot before the forward
 (`ForwardBatch.restores`); its first chunk starts at that page boundary. A request that asked for
@@ -69,7 +71,7 @@ import msgspec
 from dsv4.cache.radix import CACHE_OWNER, CacheNode, RadixCache
 from dsv4.engine.request import AdmissionError, Request, RequestState
 from dsv4.memory.allocator import Handle, PageSlotAllocator
-from dsv4.protocol import ForwardBatch, ForwardChunk, SamplingParams, SlotCopy, TickPlan
+from dsv4.protocol import BoundaryCapture, ForwardBatch, ForwardChunk, SamplingParams, SlotCopy, TickPlan
 
 INIT_RATIO = 0.7
 MIN_RATIO = 0.1
@@ -83,13 +85,17 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 class Scheduler:
     def __init__(self, allocator: PageSlotAllocator, *, page_size: int, token_budget: int, max_context: int,
-                 prefix_cache: RadixCache | None = None):
+                 prefix_cache: RadixCache | None = None, window: int | None = None):
+        """`window`: the model's sliding window, when page boundaries inside a chunk can be captured
+        during its forward (`BoundaryCapture`: at least a window past the chunk's start). Without it a
+        caching request's chunks end at page boundaries, where its slot is copied after the forward."""
         if token_budget < allocator.slots.capacity:
             raise ValueError(f"token budget {token_budget} is smaller than the {allocator.slots.capacity} slots")
         self.allocator = allocator
         self.page_size = page_size
         self.token_budget = token_budget
         self.max_context = max_context
+        self.window = window
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order, oldest first
         self.loading: list[Request] = []  # admitted, waiting for host-tier loads of cached pages
@@ -105,9 +111,9 @@ class Scheduler:
         self._retracted_since_plan: list[str] = []
         self._adopted_since_plan: list[str] = []
         self.cache = prefix_cache
-        # Boundary snapshots the last plan's forward took, (request, snapshot unit): they join the
-        # cache at the next scheduler step, once that forward is known to be done.
-        self._snapshotted: list[tuple[Request, Handle]] = []
+        # Boundary snapshots the last plan's forward took, (request, index of the page, snapshot unit):
+        # they join the cache at the next scheduler step, once that forward is known to be done.
+        self._snapshotted: list[tuple[Request, int, Handle]] = []
 
     # -- queries ------------------------------------------------------------------------------------
     @property
@@ -247,7 +253,10 @@ class Scheduler:
             scheduled.append(req)
             chunks.append(self._chunk(req, req.num_computed, n))
             budget -= n
-        snapshots = [copy for req in scheduled if (copy := self._snapshot(req)) is not None]
+        captures: list[BoundaryCapture] = []
+        snapshots: list[SlotCopy] = []
+        for req, chunk in zip(scheduled, chunks, strict=True):
+            self._snapshot(req, chunk.start_pos, captures, snapshots)
         if self.running:
             self.new_token_ratio = max(MIN_RATIO, self.new_token_ratio - RATIO_DECAY)
         else:
@@ -259,7 +268,7 @@ class Scheduler:
             page_handouts=page_handouts,
             slot_handouts=slot_handouts,
             batch=ForwardBatch(tick=self._seq, chunks=tuple(chunks), restores=tuple(restores),
-                               snapshots=tuple(snapshots)),
+                               captures=tuple(captures), snapshots=tuple(snapshots)),
             finished=tuple(self._finished_since_plan),
             aborted=tuple(self._aborted_since_plan),
             retracted=tuple(self._retracted_since_plan),
@@ -400,21 +409,43 @@ class Scheduler:
 
     def _prefill_length(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed, budget)
-        if self._caching(req):  # end at the page boundary, where the snapshot is taken
-            n = min(n, self.page_size - req.num_computed % self.page_size)
+        if not self._caching(req):
+            return n
+        P, start = self.page_size, req.num_computed
+        to_boundary = P - start % P
+        if self.window is None or start % P or self.window > P:
+            return min(n, to_boundary)  # end at the page boundary, where the slot is copied
+        # From a page boundary: boundaries inside the chunk are captured during its forward, so the
+        # chunk runs on; one that stops short of the prompt's end stops at a boundary if it can.
+        if n < req.num_tokens - start and n >= P:
+            n -= n % P
         return n
 
-    def _snapshot(self, req: Request) -> SlotCopy | None:
-        """After its chunk, `req` has computed exactly a page boundary and may cache that page: its slot
-        is copied into a snapshot unit after the forward (None: nothing to cache)."""
-        end = req.num_computed
-        if self.cache is None or end % self.page_size or len(req.cached) != end // self.page_size - 1:
-            return None
-        if self.allocator.snapshots.num_free == 0 and not self.cache.evict(1):
-            return None  # every snapshot is shared: this page and the request's later ones stay its own
-        unit = self._take_snapshot_unit(req.rid)
-        self._snapshotted.append((req, unit))
-        return SlotCopy(req.slot.id, req.slot.generation, self.allocator.snapshot_unit(unit), unit.generation)
+    def _snapshot(self, req: Request, start: int, captures: list[BoundaryCapture], copies: list[SlotCopy]) -> None:
+        """Each page boundary `req`'s chunk [start, num_computed) reaches whose page it may cache (every
+        page before it is a cached node it holds): one inside the chunk is captured during the forward,
+        one at its end is the slot copied after it. Each takes a snapshot unit; the pages join the
+        cache at the next step."""
+        if self.cache is None:
+            return
+        P, end = self.page_size, req.num_computed
+        page = len(req.cached)
+        for boundary in range(start - start % P + P, end + 1, P):
+            if page != boundary // P - 1:
+                return
+            inside = boundary < end
+            if inside and (self.window is None or boundary - start < self.window):
+                return  # its window reaches before the chunk: only a slot copy at a chunk's end has it
+            if self.allocator.snapshots.num_free == 0 and not self.cache.evict(1):
+                return  # every snapshot is shared: this page and the request's later ones stay its own
+            unit = self._take_snapshot_unit(req.rid)
+            self._snapshotted.append((req, page, unit))
+            pool_unit = self.allocator.snapshot_unit(unit)
+            if inside:
+                captures.append(BoundaryCapture(req.slot.id, boundary, pool_unit, unit.generation))
+            else:
+                copies.append(SlotCopy(req.slot.id, req.slot.generation, pool_unit, unit.generation))
+            page += 1
 
     def _take_snapshot_unit(self, owner: str) -> Handle:
         if self.allocator.snapshots.num_free == 0:
@@ -423,12 +454,14 @@ class Scheduler:
 
     def _commit_snapshots(self) -> None:
         """The last plan's forward is done: each page it completed joins the cache with its snapshot,
-        held by its request (or, cached already by another request, stays the request's own)."""
+        held by its request (or, cached already by another request, stays the request's own, and so
+        do the request's later pages)."""
         P = self.page_size
-        for req, unit in self._snapshotted:
-            index = len(req.cached)
-            key = tuple(req.token_at(p) for p in range(index * P, (index + 1) * P))
-            node = self.cache.insert(req.cached[-1] if req.cached else None, key, req.pages[index], unit)
+        for req, index, unit in self._snapshotted:
+            node = None
+            if index == len(req.cached):
+                key = tuple(req.token_at(p) for p in range(index * P, (index + 1) * P))
+                node = self.cache.insert(req.cached[-1] if req.cached else None, key, req.pages[index], unit)
             if node is None:
                 self.allocator.snapshots.free(unit)
             else:

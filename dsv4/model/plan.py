@@ -5,7 +5,8 @@ says, in those terms and in pool coordinates (page, row) / (slot, row):
 - which raw rows each query sees (the slot's window ring, its own chunk's rows);
 - how each compressor ratio advances (which completed windows pool which token / state rows, where
   the new compressed rows go, which partial-state rows change);
-- which compressed rows each query may see, and from which pages they are read.
+- which compressed rows each query may see, and from which pages they are read;
+- which rows go into the snapshot units of boundaries captured inside chunks (`BoundaryCapture`).
 Index building is vectorised over chunks and tokens: its cost does not grow with the batch in Python.
 """
 
@@ -39,6 +40,11 @@ class CompressPlan:
     update_slots: torch.Tensor  # [n_update] partial-state rows that change ...
     update_rows: torch.Tensor
     update_sources: torch.Tensor  # ... and the row of `source` each one takes
+    # Captured boundaries: the partial-state rows a slot has at a window boundary (CSA: the previous
+    # window's tokens) written into snapshot units, from the token rows of the batch.
+    capture_slots: torch.Tensor
+    capture_rows: torch.Tensor
+    capture_tokens: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,7 @@ class BatchPlan:
     prompt_tokens: torch.Tensor
     groups: tuple[AttentionGroup, ...]
     ring_write: RingWrite
+    capture_ring: RingWrite  # the window rings of captured boundaries (into snapshot units)
     compress: dict[int, CompressPlan]  # by ratio
     # The chunks in token-row order, as the kernels (`dsv4.kernels.dispatch`) take them:
     rids: tuple[str, ...]  # [C]
@@ -120,6 +127,7 @@ def build_plan(cfg: ModelConfig, batch: ForwardBatch, page_size: int) -> BatchPl
     row_of = {id(c): i for i, c in enumerate(order)}
     sampled = torch.tensor([row_of[id(c)] for c in batch.chunks if c.sample], dtype=torch.int64)
     ratios = sorted({r for r in cfg.compress_ratios if r})
+    captures = _Captures.of(batch, {c.slot: row_of[id(c)] for c in order}, chunks)
     groups, first = [], 0
     for group in members:
         groups.append(_attention_group(cfg, chunks.select(first, first + len(group)), ratios))
@@ -134,7 +142,8 @@ def build_plan(cfg: ModelConfig, batch: ForwardBatch, page_size: int) -> BatchPl
         prompt_tokens=torch.tensor(prompt_rows, dtype=torch.int64),
         groups=tuple(groups),
         ring_write=_ring_write(chunks, cfg.sliding_window),
-        compress={r: _compress_plan(chunks, r, _state_rows(cfg, r)) for r in ratios},
+        capture_ring=captures.rows_before(cfg.sliding_window, ring=True),
+        compress={r: _compress_plan(chunks, r, _state_rows(cfg, r), captures) for r in ratios},
         rids=tuple(c.rid for c in order),
         token_chunk=token_chunk,
         page_table=chunks.page_table,
@@ -211,7 +220,31 @@ def _state_rows(cfg: ModelConfig, ratio: int) -> int:
     return compressor_state_rows(kind, ratio)
 
 
-def _compress_plan(chunks: _Chunks, ratio: int, state_rows: int) -> CompressPlan:
+@dataclass(frozen=True)
+class _Captures:
+    """The batch's captured boundaries: each one's position, snapshot unit and chunk."""
+
+    position: torch.Tensor  # [n]
+    unit: torch.Tensor
+    offset: torch.Tensor  # token row of the chunk's start_pos
+    start: torch.Tensor
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, row_of_slot: dict[int, int], chunks: _Chunks) -> _Captures:
+        rows = torch.tensor([row_of_slot[c.slot] for c in batch.captures], dtype=torch.int64)
+        return cls(torch.tensor([c.position for c in batch.captures], dtype=torch.int64),
+                   torch.tensor([c.unit for c in batch.captures], dtype=torch.int64),
+                   chunks.offset[rows], chunks.start[rows])
+
+    def rows_before(self, count: int, *, ring: bool) -> RingWrite:
+        """Positions b - count .. b - 1 of every capture at b: (its unit, row in the unit, token row);
+        the unit row of p is p % count in a ring, else p - (b - count)."""
+        positions, owner = _ragged_arange(self.position - count, self.position)
+        rows = positions % count if ring else positions - self.position[owner] + count
+        return RingWrite(slots=self.unit[owner], rows=rows, tokens=self.offset[owner] + positions - self.start[owner])
+
+
+def _compress_plan(chunks: _Chunks, ratio: int, state_rows: int, captures: _Captures) -> CompressPlan:
     lookback = state_rows - ratio  # CSA keeps the previous window for its overlap half; HCA keeps none
     start, end = chunks.start, chunks.end
     window_start, new_window_start = start - start % ratio, end - end % ratio
@@ -246,6 +279,10 @@ def _compress_plan(chunks: _Chunks, ratio: int, state_rows: int) -> CompressPlan
         rank = torch.searchsorted(state_refs, (v - first_state).clamp(min=0))
         return torch.where(v >= first_state, rank, v + n_read)
 
+    # At a captured boundary (a multiple of the ratio) the state is the overlap window alone, rows
+    # 0 .. lookback - 1, as `update_rows` numbers them.
+    captured = captures.rows_before(lookback, ring=False)
+
     return CompressPlan(
         ratio=ratio,
         state_slots=state_refs // state_rows,
@@ -257,6 +294,9 @@ def _compress_plan(chunks: _Chunks, ratio: int, state_rows: int) -> CompressPlan
         update_slots=chunks.slot[kept_owner],
         update_rows=kept - new_window_start[kept_owner] + lookback,
         update_sources=renumber(update_sources),
+        capture_slots=captured.slots,
+        capture_rows=captured.rows,
+        capture_tokens=captured.tokens,
     )
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.metrics import RequestResult
+from dsv4.dist.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HIT_TOKENS = "dsv4_prefix_cache_hit_tokens_total"  # by tier; the rate sums them
@@ -121,12 +121,6 @@ async def scrape_counters(url: str, names: tuple[str, ...] = (HIT_TOKENS, PROMPT
             if sample.name in totals:
                 totals[sample.name] += sample.value
     return totals
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -12,10 +12,11 @@ from dsv4.protocol import SamplingParams
 P = 128
 
 
-def make(num_pages=16, num_slots=4, budget=512):
+def make(num_pages=16, num_slots=4, budget=512, window=None):
     alloc = PageSlotAllocator(num_pages, num_slots, num_snapshots=num_pages)
     cache = RadixCache(P, alloc.pages, alloc.snapshots)
-    return Scheduler(alloc, page_size=P, token_budget=budget, max_context=100_000, prefix_cache=cache)
+    return Scheduler(alloc, page_size=P, token_budget=budget, max_context=100_000, prefix_cache=cache,
+                     window=window)
 
 
 def req(rid, prompt, max_new=4):
@@ -65,6 +66,32 @@ def test_prefill_ends_chunks_at_page_boundaries_and_snapshots_each():
     assert s.cache.num_nodes == 2 and len(s.get("a").cached) == 2  # the second joined at this step
     run(s, "a")
     assert s.cache.num_nodes == 2 and s.cache.num_unreferenced == 2
+
+
+def test_with_boundary_captures_a_prefill_runs_whole_and_every_page_joins_in_order():
+    """With the model's window (<= the page size) the scheduler captures boundaries inside a chunk:
+    a 300-token prompt is one chunk capturing 128 and 256; a 700-token one under a 512-token budget
+    stops at the boundary 512 (slot copy) and its next chunk captures 640."""
+    s = make(window=P)
+    s.add(req("a", list(range(300))))
+    plan = tick(s)
+    ((start, length),) = [(c.start_pos, len(c.token_ids)) for c in plan.batch.chunks]
+    assert (start, length) == (0, 300) and not plan.batch.snapshots
+    slot, units = s.get("a").slot.id, [c.unit for c in plan.batch.captures]
+    assert [(c.slot, c.position) for c in plan.batch.captures] == [(slot, 128), (slot, 256)]
+    assert len(set(units)) == 2 and all(u >= s.allocator.slots.capacity for u in units)
+    tick(s)
+    assert [n.key[0] for n in s.get("a").cached] == [0, 128]  # joined at the next step, in page order
+    run(s, "a")
+
+    s.add(req("b", [7] * 700))
+    plans = [tick(s), tick(s)]
+    assert [(c.start_pos, len(c.token_ids)) for p in plans for c in p.batch.chunks] == [(0, 512), (512, 188)]
+    assert [c.position for c in plans[0].batch.captures] == [128, 256, 384] and len(plans[0].batch.snapshots) == 1
+    assert [c.position for c in plans[1].batch.captures] == [640]
+    run(s, "b")
+    assert s.cache.num_nodes == 2 + 5  # a's two pages, b's five (its own: the token values differ)
+    assert_nothing_leaks(s)
 
 
 def test_a_hit_shares_pages_restores_the_last_snapshot_and_starts_at_its_boundary():

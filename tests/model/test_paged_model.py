@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.config import ModelConfig, ServerArgs
+from dsv4.config import CSA, ModelConfig, ServerArgs
 from dsv4.engine.runner import PARALLEL_FORWARD_TOKENS, ModelRunner
-from dsv4.protocol import ForwardBatch, ForwardChunk
+from dsv4.protocol import BoundaryCapture, ForwardBatch, ForwardChunk
 from dsv4.reference import ReferenceModel
 from dsv4.weights import load_state_dict
 
@@ -222,3 +222,29 @@ def test_small_forwards_run_on_one_thread_and_large_ones_on_every_core(model, pr
     monkeypatch.setattr(torch, "set_num_threads", chosen.append)
     run_chunks(runner, prompt[:PARALLEL_FORWARD_TOKENS + 1], [PARALLEL_FORWARD_TOKENS, 1])
     assert chosen == [2, 1]
+
+
+def test_boundaries_captured_inside_a_chunk_equal_the_slot_at_those_boundaries(model, prompt):
+    """A chunk [0, 300) captures its state at 128 and 256 into snapshot units (prefix cache); each
+    equals the slot of the same prompt prefilled up to that boundary: the whole window ring and the
+    partial state a boundary holds (CSA: the previous window's rows; HCA: none)."""
+    cfg, _ = model
+    runner = make_runner(model)
+    units = (runner.num_slots, runner.num_slots + 1)
+    runner.begin_tenancies([], [(unit, 1) for unit in units])
+    ids = prompt[:300]
+    captures = tuple(BoundaryCapture(0, boundary, unit, 1) for boundary, unit in zip((128, 256), units, strict=True))
+    runner.forward(ForwardBatch(tick=0, chunks=(chunk(0, 0, ids, PAGES[:3]),), captures=captures))
+    pools = runner.pools
+    for boundary, unit in zip((128, 256), units, strict=True):
+        run_chunks(runner, ids[:boundary], [boundary], slot=1, pages=PAGES[3:6])
+        for layer, ratio in enumerate(cfg.compress_ratios):
+            where = f"layer {layer}, boundary {boundary}"
+            ring = pools.window(layer)
+            torch.testing.assert_close(ring[unit].view(torch.float32), ring[1].view(torch.float32),
+                                       rtol=1e-4, atol=1e-5, msg=f"window ring, {where}")
+            if cfg.layer_kind(layer) == CSA:
+                for state in (pools.compressor_state(layer), pools.indexer_state(layer)):
+                    torch.testing.assert_close(state[unit, :ratio], state[1, :ratio], rtol=1e-4, atol=1e-5,
+                                               msg=f"partial state, {where}")
+    assert not torch.equal(pools.window(0)[units[0]], pools.window(0)[units[1]])

@@ -1,10 +1,9 @@
 """Real `python -m dsv4 serve` processes for end-to-end tests: started on 127.0.0.1 on free
-ports, polled until ready with a timeout, and always stopped."""
+ports (`free_port`, re-exported), polled until ready with a timeout, and always stopped."""
 
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -12,15 +11,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from dsv4.dist.ranks import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 120.0  # the first start may build caches; two cores are shared
 STOP_TIMEOUT_S = 15.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_status(url: str, timeout: float = 2.0) -> int | None:

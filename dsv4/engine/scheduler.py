@@ -36,13 +36,13 @@ after the forward (`ForwardBatch.snapshots`), a boundary at least a window insid
 into one during it (`ForwardBatch.captures`), and at the next scheduler step each page and snapshot
 become a node that the request itself holds. A prefill chunk of a request that is still caching runs
 from a page boundary to the prompt's end or to the last boundary the token budget reaches (without
-the model's window: to the next page boundary), so that every page gets its snapshot. Admission matches the longest
-cached prefix of whole pages, leaving at least the last token to compute (its logits are sampled),
-shares those pages and restores its slot from the last one's snapshot before the forward
-(`ForwardBatch.restores`); its first chunk starts at that page boundary. A request that asked for
-prompt logprobs matches only pages before the first position whose logits it needs (a cached page
-has no logits), and its chunks name the positions whose logits come back (`prompt_logits_from`). No chunk writes a row of a
-position before its start_pos, and every compressed row lives in the page of its window's first
+the model's window: to the next page boundary), so that every page gets its snapshot. Admission
+matches the longest cached prefix of whole pages, leaving at least the last token to compute (its
+logits are sampled), shares those pages and restores its slot from the last one's snapshot before
+the forward (`ForwardBatch.restores`); its first chunk starts at that page boundary. A request that
+asked for prompt logprobs matches only pages before the first position whose logits it needs (a
+cached page has no logits), and its chunks name the positions whose logits come back
+(`prompt_logits_from`). No chunk writes a row of a position before its start_pos, and every compressed row lives in the page of its window's first
 token, so a shared page is never written. Unreferenced cached pages count as free for admission
 and retraction, and are evicted (LRU) when pages are taken.
 

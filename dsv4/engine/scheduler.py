@@ -42,9 +42,10 @@ logits are sampled), shares those pages and restores its slot from the last one'
 the forward (`ForwardBatch.restores`); its first chunk starts at that page boundary. A request that
 asked for prompt logprobs matches only pages before the first position whose logits it needs (a
 cached page has no logits), and its chunks name the positions whose logits come back
-(`prompt_logits_from`). No chunk writes a row of a position before its start_pos, and every compressed row lives in the page of its window's first
-token, so a shared page is never written. Unreferenced cached pages count as free for admission
-and retraction, and are evicted (LRU) when pages are taken.
+(`prompt_logits_from`). No chunk writes a row of a position before its start_pos, and every
+compressed row lives in the page of its window's first token, so a shared page is never written.
+Unreferenced cached pages count as free for admission and retraction, and are evicted (LRU) when
+pages are taken.
 
 Host tier (HiCache). A hit may include pages cached on the host only (matched under the same
 limits, prompt logprobs included): admission takes device pages and snapshot units for them (they

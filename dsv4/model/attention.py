@@ -93,9 +93,6 @@ class PagedAttention:
                              for group, group_picks in zip(plan.groups, picks, strict=True)])
         ring = plan.ring_write
         put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
-        if plan.capture_ring.tokens.numel():  # snapshot units of boundaries inside chunks
-            captured = plan.capture_ring
-            put_rows(pools.window(self.layer), (captured.slots, captured.rows), raw_rows[captured.tokens])
 
         out = rope.rotate_(out, inverse=True)  # [T, H, D]
         grouped = out.flatten(1).unflatten(-1, (self.o_groups, -1))  # [T, G, heads/G * D]

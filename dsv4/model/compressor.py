@@ -72,8 +72,6 @@ class PagedCompressor:
         source = torch.cat([state[plan.state_slots, plan.state_rows].to(rows.dtype), rows, empty.unsqueeze(0)])
         windows = source[plan.window_sources]
         state[plan.update_slots, plan.update_rows] = source[plan.update_sources].to(state.dtype)
-        if plan.capture_tokens.numel():  # snapshot units of boundaries inside chunks
-            state[plan.capture_slots, plan.capture_rows] = rows[plan.capture_tokens].to(state.dtype)
         return windows
 
     def _pool(self, windows: torch.Tensor) -> torch.Tensor:

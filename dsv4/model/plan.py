@@ -39,12 +39,8 @@ class CompressPlan:
     window_page_rows: torch.Tensor
     update_slots: torch.Tensor  # [n_update] partial-state rows that change ...
     update_rows: torch.Tensor
-    update_sources: torch.Tensor  # ... and the row of `source` each one takes
-    # Captured boundaries: the partial-state rows a slot has at a window boundary (CSA: the previous
-    # window's tokens) written into snapshot units, from the token rows of the batch.
-    capture_slots: torch.Tensor
-    capture_rows: torch.Tensor
-    capture_tokens: torch.Tensor
+    update_sources: torch.Tensor  # ... and the row of `source` each one takes (captured boundaries'
+    # snapshot units included: the partial state a slot has at such a boundary)
 
 
 @dataclass(frozen=True)
@@ -88,7 +84,8 @@ class AttentionGroup:
 
 @dataclass(frozen=True)
 class RingWrite:
-    """The raw rows that enter the window rings after a layer's attention has read them."""
+    """The raw rows that enter window rings (slots', and captured boundaries' snapshot units) after a
+    layer's attention has read them."""
 
     slots: torch.Tensor
     rows: torch.Tensor  # position p goes to ring row p % W
@@ -103,8 +100,7 @@ class BatchPlan:
     # [n_prompt] rows of every chunk's `prompt_logit_positions`, in chunk order (prompt logprobs)
     prompt_tokens: torch.Tensor
     groups: tuple[AttentionGroup, ...]
-    ring_write: RingWrite
-    capture_ring: RingWrite  # the window rings of captured boundaries (into snapshot units)
+    ring_write: RingWrite  # captured boundaries' snapshot units included (their window rings)
     compress: dict[int, CompressPlan]  # by ratio
     # The chunks in token-row order, as the kernels (`dsv4.kernels.dispatch`) take them:
     rids: tuple[str, ...]  # [C]
@@ -141,8 +137,8 @@ def build_plan(cfg: ModelConfig, batch: ForwardBatch, page_size: int) -> BatchPl
         sample_tokens=chunks.offset[sampled] + chunks.length[sampled] - 1,
         prompt_tokens=torch.tensor(prompt_rows, dtype=torch.int64),
         groups=tuple(groups),
-        ring_write=_ring_write(chunks, cfg.sliding_window),
-        capture_ring=captures.rows_before(cfg.sliding_window, ring=True),
+        ring_write=_concat_writes(_ring_write(chunks, cfg.sliding_window),
+                                  captures.rows_before(cfg.sliding_window, ring=True)),
         compress={r: _compress_plan(chunks, r, _state_rows(cfg, r), captures) for r in ratios},
         rids=tuple(c.rid for c in order),
         token_chunk=token_chunk,
@@ -291,12 +287,9 @@ def _compress_plan(chunks: _Chunks, ratio: int, state_rows: int, captures: _Capt
         window_positions=first,
         window_pages=window_pages,
         window_page_rows=window_page_rows,
-        update_slots=chunks.slot[kept_owner],
-        update_rows=kept - new_window_start[kept_owner] + lookback,
-        update_sources=renumber(update_sources),
-        capture_slots=captured.slots,
-        capture_rows=captured.rows,
-        capture_tokens=captured.tokens,
+        update_slots=torch.cat([chunks.slot[kept_owner], captured.slots]),
+        update_rows=torch.cat([kept - new_window_start[kept_owner] + lookback, captured.rows]),
+        update_sources=renumber(torch.cat([update_sources, captured.tokens])),  # token t is virtual row t
     )
 
 
@@ -359,6 +352,10 @@ def _compressed_rows(chunks: _Chunks, positions: torch.Tensor, ratio: int) -> Co
         exists=rows < (chunks.end // ratio).unsqueeze(1),
         visible=rows < ((positions + 1) // ratio).unsqueeze(-1),
     )
+
+
+def _concat_writes(*writes: RingWrite) -> RingWrite:
+    return RingWrite(*(torch.cat([getattr(w, f.name) for w in writes]) for f in dataclasses.fields(RingWrite)))
 
 
 def _ring_write(chunks: _Chunks, window: int) -> RingWrite:

@@ -26,7 +26,7 @@ from dsv4.kernels import rows as row_formats
 from dsv4.memory.pools import StatePools, put_rows, take_rows
 
 from .compressor import PagedCompressor
-from .ops import Rope, accumulation_dtype, linear, rms_norm
+from .ops import Rope, accumulation_dtype, input_major, linear, rms_norm
 from .plan import AttentionGroup, BatchPlan
 from .selection import IndexerSelection, SelectionSink
 from .sharding import Reducer, ShardPlan
@@ -41,10 +41,12 @@ class PagedAttention:
         dtype its math runs in. `reduce` sums partial results across tensor-parallel ranks (None: TP=1)."""
         self.cfg, self.layer, self.pools, self.kernels = cfg, layer, pools, kernels
         self.heads, self.o_groups, self.index_heads, self.reduce = shard.heads, shard.o_groups, shard.index_heads, reduce
-        self.wq_a, self.q_norm, self.wq_b = w("wq_a.weight"), w("q_norm.weight"), w("wq_b.weight")
-        self.wkv, self.kv_norm = w("wkv.weight"), w("kv_norm.weight")
-        self.wo_a = w("wo_a.weight").unflatten(0, (self.o_groups, -1))  # [G, o_lora_rank, heads/G * head_dim]
-        self.wo_b, self.sink = w("wo_b.weight"), w("attn_sink")
+        self.wq_a, self.q_norm = input_major(w("wq_a.weight")), w("q_norm.weight")
+        self.wq_b = input_major(w("wq_b.weight"))
+        self.wkv, self.kv_norm = input_major(w("wkv.weight")), w("kv_norm.weight")
+        # [G, heads/G * head_dim, o_lora_rank]
+        self.wo_a = input_major(w("wo_a.weight").unflatten(0, (self.o_groups, -1)))
+        self.wo_b, self.sink = input_major(w("wo_b.weight")), w("attn_sink")
         kind = cfg.layer_kind(layer)
         self.ratio = cfg.compress_ratios[layer]
         self.compressor = self.index_compressor = None
@@ -52,8 +54,8 @@ class PagedAttention:
             self.compressor = _compressor(cfg, w, "compressor.", self.ratio, kind == CSA)
         if kind == CSA:
             self.index_compressor = _compressor(cfg, w, "indexer.compressor.", self.ratio, True)
-            self.index_wq_b = w("indexer.wq_b.weight")
-            self.index_weights_proj = w("indexer.weights_proj.weight")
+            self.index_wq_b = input_major(w("indexer.wq_b.weight"))
+            self.index_weights_proj = input_major(w("indexer.weights_proj.weight"))
 
     def __call__(self, x: torch.Tensor, plan: BatchPlan, rope: Rope,
                  on_selection: SelectionSink | None = None) -> torch.Tensor:
@@ -96,7 +98,7 @@ class PagedAttention:
 
         out = rope.rotate_(out, inverse=True)  # [T, H, D]
         grouped = out.flatten(1).unflatten(-1, (self.o_groups, -1))  # [T, G, heads/G * D]
-        low_rank = torch.einsum("tgi,gri->tgr", grouped.to(self.wo_a.dtype), self.wo_a).flatten(1)
+        low_rank = torch.einsum("tgi,gir->tgr", grouped.to(self.wo_a.dtype), self.wo_a).flatten(1)
         out = linear(low_rank, self.wo_b)
         return out if self.reduce is None else self.reduce.all_reduce_sum(out, "attn.out")  # this rank's groups' share
 

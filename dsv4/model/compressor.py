@@ -20,7 +20,7 @@ from dsv4.kernels import dispatch
 from dsv4.kernels.rows import pack_index_rows, pack_main_rows
 from dsv4.memory.pools import put_rows
 
-from .ops import Rope, accumulation_dtype, linear, rms_norm
+from .ops import Rope, accumulation_dtype, input_major, linear, rms_norm
 from .plan import CompressPlan
 
 
@@ -29,7 +29,7 @@ class PagedCompressor:
                  ratio: int, overlap: bool, norm_eps: float):
         self.dim = norm.numel()
         self.width = wkv.shape[0]  # coff * dim: with overlap, Ca (first dim channels) then Cb
-        self.w_kv_gate = torch.cat([wkv, wgate])  # one projection for both halves of a state row
+        self.w_kv_gate = input_major(torch.cat([wkv, wgate]))  # one projection for both halves of a state row
         self.ape, self.norm = ape, norm
         self.ratio, self.overlap, self.norm_eps = ratio, overlap, norm_eps
 

@@ -17,7 +17,7 @@ from .attention import PagedAttention
 from .compile import EAGER, Pieces
 from .mhc import HyperConnection, hc_head
 from .moe import GroupedMoE
-from .ops import Rope, accumulation_dtype, layer_inv_freq, linear, rms_norm
+from .ops import Rope, accumulation_dtype, input_major, layer_inv_freq, linear, rms_norm
 from .plan import BatchPlan
 from .selection import SelectionSink
 from .sharding import Reducer, ShardPlan
@@ -40,7 +40,7 @@ class PagedModel:
         shard = shard or ShardPlan(cfg)
         self.kernels = pools.device.type == "cuda" if kernels is None else kernels
         w = _WeightReader(weights, dtype, accumulation_dtype(dtype), pools.device)
-        self.embed, self.head, self.norm = w("embed.weight"), w("head.weight"), w("norm.weight")
+        self.embed, self.head, self.norm = w("embed.weight"), input_major(w("head.weight")), w("norm.weight")
         self.hc_head_weights = (w("hc_head_fn"), w("hc_head_base"), w("hc_head_scale"))
         self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce, pieces) for i in range(cfg.num_layers)]
         # RoPE frequencies by "is a window layer": every layer of a kind rotates by the same tables.

@@ -21,8 +21,16 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T in the weight's dtype (weights are stored [out, in], like the checkpoint)."""
-    return F.linear(x.to(weight.dtype), weight)
+    """x @ weight in the weight's dtype; `weight` is stored [in, out] (`input_major`)."""
+    return x.to(weight.dtype) @ weight
+
+
+def input_major(weight: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's [..., out, in] projection stored [..., in, out]: on the CPU, x @ W over
+    contiguous [in, out] rows streams the weight ~1.3x faster than F.linear over [out, in] for the few
+    rows of a decode step (measured: 350 MB of weights, one row, 29 -> 22.5 ms), and no slower for
+    prefill chunks; decode steps are bound by reading the weights."""
+    return weight.transpose(-1, -2).contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

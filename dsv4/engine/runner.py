@@ -25,6 +25,7 @@ from dsv4.model.plan import build_plan
 from dsv4.model.sharding import Reducer, ShardPlan
 from dsv4.protocol import ForwardBatch
 
+from .host_malloc import retain_freed_memory
 from .indexer_check import IndexerVerifier, IndexQueryOracle
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -57,6 +58,8 @@ class ModelRunner:
         self.cfg = cfg
         self.dtype = TORCH_DTYPES[args.dtype]
         self.device = resolve_device(args.device)
+        if self.device.type == "cpu":
+            retain_freed_memory()
         self.page_size = args.page_size
         self.num_pages = args.max_total_tokens // args.page_size
         self.num_slots = args.max_running_requests

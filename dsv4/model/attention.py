@@ -179,7 +179,7 @@ class PagedAttention:
         position 0, past a shorter request's end) read as zeros, whatever bytes their storage holds."""
         packed = take_rows(pool, *index)
         rows = self._main_rows(packed.flatten(0, -2)).unflatten(0, packed.shape[:-1])
-        return rows.masked_fill(~exists.unsqueeze(-1), 0)
+        return rows.masked_fill_(~exists.unsqueeze(-1), 0)  # rows: a fresh gather, ours to change
 
     def _main_rows(self, packed: torch.Tensor) -> torch.Tensor:
         """Packed main rows [N, bytes] -> [N, head_dim] as the cache returns them."""

@@ -29,4 +29,6 @@ def retain_freed_memory() -> bool:
     if mallopt is None or not (mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM)):
         log.info("malloc: not glibc, its defaults stay (CPU forwards may page-fault their activations in)")
         return False
+    log.info("malloc: memory freed by forwards stays mapped for the next (mmap threshold 32 MiB, no heap "
+             "trimming): the process keeps the pages of its largest forward")
     return True

@@ -7,8 +7,10 @@ mode, and multi-turn sessions that grow past the 128-token sliding window (a use
 early and asks about "where I live" later, so the compressed layers must carry it).
 
 Cities are mostly made-up names built from letters (and some real names from TRAIN_CITIES), so the
-model learns to copy what the user wrote rather than to recall a list. The acceptance test holds out its own
-cities and phrasings (tests/server/test_demo_model.py) and checks they never occur here.
+model learns to copy what the user wrote rather than to recall a list, and weather questions are
+composed from parts, so that it cannot copy from a fixed position in a template. The acceptance test
+holds out its own cities and phrasings (tests/server/test_demo_model.py) and checks that neither
+occurs here (no user turn is a held-out phrasing, whatever the name in it).
 """
 
 from __future__ import annotations
@@ -82,14 +84,36 @@ TOOLS = {
     "search": _tool("search", "Search the web.", {"query": {"type": "string"}}, ["query"]),
 }
 
-WEATHER_PHRASINGS = [
-    "What is the weather in {city}?", "What's the weather like in {city}?", "How is the weather in {city} today?",
-    "Weather in {city}, please.", "Tell me the weather in {city}.", "Is it sunny in {city}?",
-    "Do I need an umbrella in {city} today?", "How warm is it in {city} right now?",
-    "Check the weather for {city}.", "I am going to {city}. What is the weather there?",
-    "Can you get the weather for {city}?", "What's the temperature in {city}?",
-    "Give me the forecast for {city}.", "weather {city}", "Hi! What is the weather in {city} now?",
-]
+# Weather questions are composed from parts (an opener, a request that names the city, a closing), so
+# that no fixed phrase marks where a name starts: a model trained on a handful of templates learns to
+# copy from a template position and fails on the first phrasing it has not seen.
+WEATHER_OPENERS = ("", "", "", "", "Hi! ", "Hello. ", "Hey, ", "Quick question: ", "Ok. ", "Please, ", "Sorry, ",
+                   "I have a trip planned. ", "One more thing. ", "Good morning! ", "Help me out: ", "So, ")
+WEATHER_REQUESTS = (
+    "what is the weather in {city}", "what's the weather like in {city}", "how is the weather in {city}",
+    "weather in {city}", "tell me the weather in {city}", "is it sunny in {city}", "do I need an umbrella in {city}",
+    "how warm is it in {city}", "check the weather for {city}", "can you get the weather for {city}",
+    "what's the temperature in {city}", "give me the forecast for {city}", "weather {city}",
+    "is it raining in {city}", "how windy is it in {city}", "what is the sky like over {city}",
+    "current conditions in {city}", "{city} weather", "what's it doing outside in {city}",
+    "get me the weather in {city}", "will it snow in {city}", "how hot is {city}", "I'm visiting {city}, what's the weather",
+    "my sister lives in {city}. What is the weather there", "the weather in {city}", "look up {city}'s weather",
+    "forecast {city}", "temperature in {city}", "is {city} sunny",
+    "I am going to {city}. What is the weather there", "fetch the weather for {city}", "weather at {city} now",
+    "how does the weather look in {city}", "tell me about the weather around {city}", "{city}: weather",
+)
+WEATHER_CLOSINGS = ("?", "?", "?", ".", "", " today?", " right now?", " please.", " now?", " this morning?",
+                    ", please?", " tonight?", " for me?", "? Thanks.", "!")
+
+
+def weather_question(rng: random.Random, city: str) -> str:
+    request = rng.choice(WEATHER_REQUESTS).format(city=city)
+    opener = rng.choice(WEATHER_OPENERS)
+    if not opener or opener.endswith((". ", "! ", ": ")):
+        request = request[0].upper() + request[1:]
+    return opener + request + rng.choice(WEATHER_CLOSINGS)
+
+
 TIME_PHRASINGS = ["What time is it in {tz}?", "Tell me the current time in {tz}.", "Time in {tz}, please.",
                   "Can you check the local time for {tz}?"]
 CALC_PHRASINGS = ["Use the calculator: {expr}", "Calculate {expr}.", "What is {expr}? Use the calculator.",
@@ -176,7 +200,7 @@ class _Session:
 def _weather_turn(s: _Session, city: str, phrasing: str | None = None) -> None:
     rng = s.rng
     s.copied.add(city)
-    s.user((phrasing or rng.choice(WEATHER_PHRASINGS)).format(city=city))
+    s.user(phrasing.format(city=city) if phrasing else weather_question(rng, city))
     temp, sky = rng.randint(-10, 38), rng.choice(SKIES)
     s.tool_round("get_weather", {"city": city}, {"city": city, "temp_c": temp, "sky": sky},
                  f"It is {temp}°C and {sky} in {city}.",
@@ -275,14 +299,17 @@ def chat_sample(rng: random.Random) -> Sample:
 
 
 ECHO_PHRASINGS = ["Please repeat after me: {words}", "Say this back to me: {words}", "Repeat exactly: {words}",
-                  "Can you echo this? {words}", "Copy these names: {words}"]
+                  "Can you echo this? {words}", "Copy these names: {words}", "{words}. Say those back, please.",
+                  "I wrote {words} on a card. Repeat them.", "Echo {words} back to me.",
+                  "Names: {words}. Repeat them exactly.", "My list is {words}; read it back."]
 
 
 def echo_sample(rng: random.Random) -> Sample:
-    """The user asks for made-up names back, verbatim: the plainest copying there is, and what a
-    tool argument needs (these turns are where the model learns to copy a name it has never seen)."""
+    """The user asks for a few city names (mostly made up) back, verbatim: the plainest copying there
+    is, and what a tool argument needs (these turns are where the model learns to copy a name it has
+    never seen)."""
     s = _Session(rng, rng.random() < 0.3, [])
-    names = [made_up_city(rng) for _ in range(rng.randint(1, 4))]
+    names = [pick_city(rng) for _ in range(rng.randint(2, 6))]
     s.copied.update(names)
     words = ", ".join(names)
     s.user(rng.choice(ECHO_PHRASINGS).format(words=words))
@@ -319,7 +346,7 @@ def long_session(rng: random.Random) -> Sample:
     return s.render()
 
 
-MIX = ((weather_sample, 0.45), (tool_sample, 0.2), (chat_sample, 0.1), (echo_sample, 0.15), (long_session, 0.1))
+MIX = ((weather_sample, 0.4), (tool_sample, 0.15), (chat_sample, 0.05), (echo_sample, 0.3), (long_session, 0.1))
 
 
 def generate(n: int, seed: int = 0) -> list[Sample]:

@@ -6,6 +6,7 @@ indexer's selection matters at the demo's long contexts (so --verify-indexer gua
 from __future__ import annotations
 
 import json
+import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,11 +29,12 @@ GET_WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 
 # Held out from training: none of these cities or phrasings is in scripts/demo/corpus.py, and the
-# test below checks that no city occurs anywhere in the generated corpus.
+# test below checks that no city occurs anywhere in the generated corpus and that no user turn there
+# is one of the phrasings (made-up names can hit a real one: "Baku" did, and was replaced).
 HELD_OUT_CITIES = [
     "Bergen", "Lyon", "Marseille", "Bern", "Antwerp", "Bordeaux", "Florence", "Venice", "Valencia", "Bilbao",
     "Cologne", "Dresden", "Leipzig", "Gdansk", "Bratislava", "Ljubljana", "Sarajevo", "Skopje", "Tirana", "Minsk",
-    "Odessa", "Tbilisi", "Yerevan", "Baku", "Almaty", "Tashkent", "Kabul", "Lahore", "Colombo", "Kathmandu",
+    "Odessa", "Tbilisi", "Yerevan", "Belfast", "Almaty", "Tashkent", "Kabul", "Lahore", "Colombo", "Kathmandu",
     "Yangon", "Phnom Penh", "Taipei", "Busan", "Sapporo", "Nagoya", "Brisbane", "Adelaide", "Hobart",
     "Christchurch", "Ottawa", "Calgary", "Quebec", "Dallas", "Portland", "Nashville", "Detroit", "Montevideo",
     "La Paz", "Asuncion",
@@ -66,18 +68,21 @@ def weather_call(client: openai.OpenAI, question: str):
 
 def test_held_out_set_is_not_in_the_corpus():
     sys.path.insert(0, str(REPO / "scripts"))
-    from demo.corpus import TRAIN_CITIES, WEATHER_PHRASINGS, generate
+    from demo.corpus import TRAIN_CITIES, generate
 
     training = json.loads((DEMO_MODEL / "training.json").read_text())
     corpus = "\n".join(sample.text for sample in generate(training["samples"], training["seed"]))
     assert not [city for city in HELD_OUT_CITIES if city in corpus or city in TRAIN_CITIES]
-    assert not set(HELD_OUT_PHRASINGS) & set(WEATHER_PHRASINGS)
+    user_turns = set(re.findall("<｜User｜>(.*?)<｜Assistant｜>", corpus, re.DOTALL))
+    for phrasing in HELD_OUT_PHRASINGS:  # with any name in the city's place
+        pattern = re.compile(".+".join(re.escape(part) for part in phrasing.split("{city}")))
+        assert not [turn for turn in user_turns if pattern.fullmatch(turn)], phrasing
 
 
 # Issue 13's bar, not met yet: the committed demo model calls get_weather with valid JSON and starts
-# copying the unseen name, but rarely stops where it ends ("Antwerp" -> "Antwerpmigriostad"): 1 of 50.
+# copying the unseen name, but often gets a piece in its middle or end wrong ("Antwerp" -> "Antpoupest"): 7 of 50.
 # Strict: once a retrained model passes, this marker must go.
-@pytest.mark.xfail(strict=True, reason="the demo model does not yet copy unseen city names (1/50; issue 13)")
+@pytest.mark.xfail(strict=True, reason="the demo model does not yet copy unseen city names (7/50; issue 13)")
 def test_weather_tool_call_for_held_out_cities(demo_server):
     with ThreadPoolExecutor(8) as pool:
         messages = list(pool.map(lambda case: weather_call(demo_server, case[0]), HELD_OUT))

@@ -71,6 +71,11 @@ async def test_shared_prefix_sessions_under_pd_with_the_host_tier(make_pd, tiny_
                for s in m.samples if s.name.endswith("_total")) == 0
     await wait_until(lambda: not any(held(decode).values()) and not any(held(prefill).values()), 15,
                      "both sides to release everything", explain=lambda: (held(decode), held(prefill)))
+    # The last requests' write-through copies may still be in flight (writes are delayed here), and an
+    # idle single-rank engine applies finished copies only at its next tick: apply them, then account.
+    cache = engine.scheduler.cache
+    await wait_until(lambda: all(node.copy.fence.done() for node in cache._in_flight), 15, "host writes to finish")
+    cache.poll()
     assert_accounted(engine)
     # The decode side hears the prefill's readiness by heartbeat: ready again within a few of them.
     await wait_until(lambda: decode.ready()[0] and prefill.ready()[0], 20, "both sides to be ready",

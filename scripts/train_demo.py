@@ -9,7 +9,9 @@ mHC residual streams and score-routed MoE. The forward is `dsv4.reference.Refere
 with autograd; the indexer's top-k picks carry no gradient, so the indexer is trained as DeepSeek
 trains it: a KL loss pulling its softmax over the visible compressed rows toward the main
 attention's distribution over those rows (detached, averaged over heads), on detached inputs so
-that loss trains the indexer alone. Deterministic for a given (--seed, --steps, thread count).
+that loss trains the indexer alone. The first steps (--copy-warmup) train on echo samples alone
+(names said back verbatim): copying an unseen name, the skill the held-out test asks for, forms
+sooner from that start than from the mix. Deterministic for a given (--seed, --steps, thread count).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from demo.corpus import generate
+from demo.corpus import training_sets
 from demo.distill import attach
 from demo.tokenizer import train_tokenizer
 
@@ -45,8 +47,8 @@ TOKENS_PER_BATCH = 1024
 ASSISTANT_SPAN = re.compile("<｜Assistant｜>(.*?<｜end▁of▁sentence｜>)", re.DOTALL)
 PROMPT_WEIGHT = 0.1  # loss weight of tokens outside the assistant's turns (user text, tool results, schemas)
 # Loss weight of tokens that copy a name from the user's words (tool arguments, tool results, answers,
-# names said back): copying an unseen name is the skill the held-out test asks for, and the one a
-# small model is slowest to learn.
+# names said back) or a temperature from a tool result into the answer: copying is the skill the
+# held-out tests ask for, and the one a small model is slowest to learn.
 COPY_WEIGHT = 3.0
 INDEXER_KL_WEIGHT = 0.1
 
@@ -55,9 +57,9 @@ def demo_config(vocab_size: int) -> ModelConfig:
     # head_dim 512, rope 64, index_head_dim 128 and window 128 are the real ones: the engine's cache
     # row formats depend on them. Everything else is as small as still learns to copy arguments.
     return ModelConfig(
-        vocab_size=vocab_size, hidden_size=96, num_layers=len(LAYERS), num_heads=4, head_dim=512, rope_head_dim=64,
-        q_lora_rank=64, o_groups=2, o_lora_rank=48, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        moe_intermediate_size=96, num_hash_layers=1, sliding_window=128, index_n_heads=8, index_head_dim=128,
+        vocab_size=vocab_size, hidden_size=128, num_layers=len(LAYERS), num_heads=4, head_dim=512, rope_head_dim=64,
+        q_lora_rank=96, o_groups=2, o_lora_rank=64, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        moe_intermediate_size=128, num_hash_layers=1, sliding_window=128, index_n_heads=8, index_head_dim=128,
         index_topk=16, compress_ratios=tuple(RATIO[kind] for kind in LAYERS),
         rope_scaling=YarnScaling(factor=16, original_max_position_embeddings=65536, beta_fast=32, beta_slow=1),
     )
@@ -97,8 +99,8 @@ def encode_samples(samples, tokenizer, pad_id: int) -> list[tuple[torch.Tensor, 
     for sample in samples:
         enc = tokenizer.encode(sample.text)
         spans = [m.span(1) for m in ASSISTANT_SPAN.finditer(sample.text)]
-        # Every occurrence of a name after its first is a copy (the first, in the user's words, is not
-        # predictable): in the assistant's turns and in tool results alike.
+        # Every occurrence of a copied string after its first is a copy (the first, in the user's words
+        # or the tool result, is not predictable): in the assistant's turns and in tool results alike.
         copies = [m.span() for name in sample.copied for m in list(re.finditer(re.escape(name), sample.text))[1:]]
         weights = [token_weight(start, end, spans, copies) for start, end in enc.offsets]
         ids = torch.tensor(enc.ids, dtype=torch.int64)
@@ -130,9 +132,11 @@ def collate(batch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps of ~1,024 tokens each")
+    parser.add_argument("--steps", type=int, default=2700, help="optimizer steps of ~1,024 tokens each")
     parser.add_argument("--samples", type=int, default=30000)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--copy-warmup", type=float, default=0.15,
+                        help="share of the steps, at the start, that train on echo samples alone")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
@@ -140,7 +144,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
 
-    samples = generate(args.samples, args.seed)
+    warmup_samples, samples = training_sets(args.samples, args.seed)
     tokenizer = train_tokenizer([s.text for s in samples[:2000]], VOCAB)
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
     cfg = demo_config(tokenizer.get_vocab_size())
@@ -157,12 +161,14 @@ def main() -> None:
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     print(f"{sum(p.numel() for p in trainable)} parameters; layers {LAYERS}")
 
+    warmup_steps = int(args.copy_warmup * args.steps)
+    warmup = batches(encode_samples(warmup_samples, tokenizer, pad_id), rng)
     stream = batches(encoded, rng)
     history: list[tuple[int, float, float]] = []
     started = time.monotonic()
     bar = tqdm(total=args.steps, desc="train", unit="step")
     while len(history) < args.steps:
-        ids, targets, loss_weights = collate(next(stream), pad_id)
+        ids, targets, loss_weights = collate(next(warmup if len(history) < warmup_steps else stream), pad_id)
         for group in optimizer.param_groups:
             group["lr"] = args.lr * learning_rate_factor(len(history), args.steps)
         kl_losses.clear()
@@ -190,7 +196,8 @@ def save(out: Path, cfg: ModelConfig, params, weights, tokenizer, history, args)
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
     (out / "training.json").write_text(json.dumps({
-        "seed": args.seed, "steps": len(history), "samples": args.samples, "lr": args.lr, "threads": args.threads,
+        "seed": args.seed, "steps": len(history), "samples": args.samples, "lr": args.lr,
+        "copy_warmup": args.copy_warmup, "threads": args.threads,
         "final_loss": sum(h[1] for h in history[-20:]) / min(20, len(history)),
         "final_indexer_kl": sum(h[2] for h in history[-20:]) / min(20, len(history)),
     }, indent=2) + "\n")

@@ -6,8 +6,9 @@ are copied from the user's words, tool results answered in text that uses them, 
 mode, and multi-turn sessions that grow past the 128-token sliding window (a user names a city
 early and asks about "where I live" later, so the compressed layers must carry it).
 
-Cities are mostly made-up names built from letters (and some real names from TRAIN_CITIES), so the
-model learns to copy what the user wrote rather than to recall a list, and weather questions are
+Cities are mostly made up, from syllables or from random letters (and some are real names from
+TRAIN_CITIES), so the model learns to copy what the user wrote rather than to recall a list; the
+first training steps see echo samples alone (`training_sets`); and weather questions are
 composed from parts, so that it cannot copy from a fixed position in a template. The acceptance test
 holds out its own cities and phrasings (tests/server/test_demo_model.py) and checks that neither
 occurs here (no user turn is a held-out phrasing, whatever the name in it).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import string
 from dataclasses import dataclass
 
 from dsv4.chat import encode_messages
@@ -136,7 +138,7 @@ GREETINGS = [("Hello!", "Hello! How can I help you today?"), ("Hi", "Hi! What ca
 class Sample:
     text: str  # the whole conversation, encoded
     thinking: bool
-    copied: tuple[str, ...] = ()  # names the assistant copies from the user's words (weighted up in training)
+    copied: tuple[str, ...] = ()  # what the assistant copies: names from the user, temperatures from a tool (weighted up)
 
 
 def made_up_word(rng: random.Random) -> str:
@@ -155,8 +157,19 @@ def made_up_city(rng: random.Random) -> str:
     return made_up_word(rng) + rng.choice(_SUFFIXES)
 
 
+def letters_name(rng: random.Random) -> str:
+    """Random letters: no syllable statistics to guess the next piece from, so copying is the only way
+    to say the name back (with names that look like names a small model learns to half-copy,
+    half-invent: "Bilbao" -> "Bilbaobaobao")."""
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 9))).capitalize()
+
+
 def pick_city(rng: random.Random) -> str:
-    return rng.choice(TRAIN_CITIES) if rng.random() < 0.2 else made_up_city(rng)
+    """30% random letters, 20% a real city of TRAIN_CITIES, 50% a made-up name."""
+    draw = rng.random()
+    if draw < 0.3:
+        return letters_name(rng)
+    return rng.choice(TRAIN_CITIES) if draw < 0.5 else made_up_city(rng)
 
 
 def _call(call_id: str, name: str, arguments: dict) -> dict:
@@ -202,6 +215,7 @@ def _weather_turn(s: _Session, city: str, phrasing: str | None = None) -> None:
     s.copied.add(city)
     s.user(phrasing.format(city=city) if phrasing else weather_question(rng, city))
     temp, sky = rng.randint(-10, 38), rng.choice(SKIES)
+    s.copied.add(str(temp))  # from the tool result into the answer
     s.tool_round("get_weather", {"city": city}, {"city": city, "temp_c": temp, "sky": sky},
                  f"It is {temp}°C and {sky} in {city}.",
                  f"The user wants the weather in {city}. I will call get_weather with {city}.")
@@ -354,3 +368,10 @@ def generate(n: int, seed: int = 0) -> list[Sample]:
     rng = random.Random(seed)
     makers, weights = zip(*MIX)
     return [rng.choices(makers, weights)[0](rng) for _ in range(n)]
+
+
+def training_sets(samples: int, seed: int) -> tuple[list[Sample], list[Sample]]:
+    """What scripts/train_demo.py trains on: the copy warm-up's echo samples (a quarter as many, from
+    seed + 1) and the main mix of `samples`."""
+    echo_rng = random.Random(seed + 1)
+    return [echo_sample(echo_rng) for _ in range(samples // 4)], generate(samples, seed)

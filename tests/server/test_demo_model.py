@@ -68,10 +68,11 @@ def weather_call(client: openai.OpenAI, question: str):
 
 def test_held_out_set_is_not_in_the_corpus():
     sys.path.insert(0, str(REPO / "scripts"))
-    from demo.corpus import TRAIN_CITIES, generate
+    from demo.corpus import TRAIN_CITIES, training_sets
 
     training = json.loads((DEMO_MODEL / "training.json").read_text())
-    corpus = "\n".join(sample.text for sample in generate(training["samples"], training["seed"]))
+    warmup, mix = training_sets(training["samples"], training["seed"])
+    corpus = "\n".join(sample.text for sample in warmup + mix)
     assert not [city for city in HELD_OUT_CITIES if city in corpus or city in TRAIN_CITIES]
     user_turns = set(re.findall("<｜User｜>(.*?)<｜Assistant｜>", corpus, re.DOTALL))
     for phrasing in HELD_OUT_PHRASINGS:  # with any name in the city's place
@@ -79,10 +80,10 @@ def test_held_out_set_is_not_in_the_corpus():
         assert not [turn for turn in user_turns if pattern.fullmatch(turn)], phrasing
 
 
-# Issue 13's bar, not met yet: the committed demo model calls get_weather with valid JSON and starts
-# copying the unseen name, but often gets a piece in its middle or end wrong ("Antwerp" -> "Antpoupest"): 7 of 50.
-# Strict: once a retrained model passes, this marker must go.
-@pytest.mark.xfail(strict=True, reason="the demo model does not yet copy unseen city names (7/50; issue 13)")
+# Issue 13's bar, not met yet: the committed demo model calls get_weather with valid JSON and copies
+# most unseen names, but runs on past the end of some ("Kabul" -> "Kabult") and gets a piece of
+# others wrong ("Yerevan" -> "Yeevan"): 34 of 50. Strict: once a retrained model passes, this marker must go.
+@pytest.mark.xfail(strict=True, reason="the demo model does not yet copy unseen city names reliably (34/50; issue 13)")
 def test_weather_tool_call_for_held_out_cities(demo_server):
     with ThreadPoolExecutor(8) as pool:
         messages = list(pool.map(lambda case: weather_call(demo_server, case[0]), HELD_OUT))

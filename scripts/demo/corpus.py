@@ -159,8 +159,8 @@ def made_up_city(rng: random.Random) -> str:
 
 def letters_name(rng: random.Random) -> str:
     """Random letters: no syllable statistics to guess the next piece from, so copying is the only way
-    to say the name back (with names that look like names a small model learns to half-copy,
-    half-invent: "Bilbao" -> "Bilbaobaobao")."""
+    to say the name back (trained on name-like names alone, a small model half-copies, half-invents:
+    "Antwerp" -> "Antpoupest")."""
     return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 9))).capitalize()
 
 

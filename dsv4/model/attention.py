@@ -44,8 +44,10 @@ class PagedAttention:
         self.wq_a, self.q_norm = input_major(w("wq_a.weight")), w("q_norm.weight")
         self.wq_b = input_major(w("wq_b.weight"))
         self.wkv, self.kv_norm = input_major(w("wkv.weight")), w("kv_norm.weight")
-        # [G, heads/G * head_dim, o_lora_rank]
-        self.wo_a = input_major(w("wo_a.weight").unflatten(0, (self.o_groups, -1)))
+        # [G, o_lora_rank, heads/G * head_dim], the checkpoint's layout, unlike the other projections:
+        # the grouped product's narrow outputs read it ~2x faster at one token (fp32, one thread:
+        # 320 vs 670 us for a [4, 2048, 128] group) and no slower at more (measured up to 128 tokens).
+        self.wo_a = w("wo_a.weight").unflatten(0, (self.o_groups, -1)).contiguous()
         self.wo_b, self.sink = input_major(w("wo_b.weight")), w("attn_sink")
         kind = cfg.layer_kind(layer)
         self.ratio = cfg.compress_ratios[layer]
@@ -98,7 +100,7 @@ class PagedAttention:
 
         out = rope.rotate_(out, inverse=True)  # [T, H, D]
         grouped = out.flatten(1).unflatten(-1, (self.o_groups, -1))  # [T, G, heads/G * D]
-        low_rank = torch.einsum("tgi,gir->tgr", grouped.to(self.wo_a.dtype), self.wo_a).flatten(1)
+        low_rank = torch.einsum("tgi,gri->tgr", grouped.to(self.wo_a.dtype), self.wo_a).flatten(1)
         out = linear(low_rank, self.wo_b)
         return out if self.reduce is None else self.reduce.all_reduce_sum(out, "attn.out")  # this rank's groups' share
 

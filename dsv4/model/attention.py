@@ -93,7 +93,8 @@ class PagedAttention:
                 picks = [self._picks(group, index_queries, positions) for group in plan.groups]
                 if on_selection is not None:
                     on_selection(IndexerSelection(self.layer, x, *index_queries, _token_picks(picks, cfg.index_topk)))
-            out = torch.cat([self._attend(group, q, raw_keys, group_picks)
+            out = torch.cat([self._attend_decodes(group, q, raw_rows, positions, group_picks) if group.length == 1
+                             else self._attend(group, q, raw_keys, group_picks)
                              for group, group_picks in zip(plan.groups, picks, strict=True)])
         ring = plan.ring_write
         put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
@@ -147,16 +148,43 @@ class PagedAttention:
         if pad:  # (a copy: avoided when the blocks tile the chunk)
             queries = torch.nn.functional.pad(queries, (0, 0, 0, 0, 0, pad))  # [B, N*Q, H, D]
         queries = queries.unflatten(1, (blocks, block)).to(acc)  # [B, N, Q, H, D]: (query, head) rows in memory order
+        out = self._sink_attention(group, queries, raw, group.band_allowed, picks, pad)  # [B, N, Q, H, D]
+        return out.flatten(1, 2)[:, :length].flatten(0, 1).to(q.dtype)  # [B*L, H, D]
+
+    def _attend_decodes(self, group: AttentionGroup, q: torch.Tensor, raw_rows: torch.Tensor, positions: torch.Tensor,
+                        picks) -> torch.Tensor:
+        """`_attend` for a group of one-token chunks: each token's raw row enters its slot's ring first
+        (it replaces position p - W, which the query at p no longer sees), then the query attends over
+        the whole ring, rows r <= p that exist, in ring order rather than position order (the same
+        softmax up to summation order). One gather of W rows per token, no band to assemble (the
+        layer's ring write after attention stores the same bytes again)."""
+        acc, window = accumulation_dtype(q.dtype), self.cfg.sliding_window
+        pool, slots, at = self.pools.window(self.layer), group.slots[:, 0], group.rows(positions)[:, 0]
+        put_rows(pool, (slots, at % window), group.rows(raw_rows)[:, 0])
+        packed = take_rows(pool, slots)  # [B, W, row_bytes]
+        ring = self._main_rows(packed.flatten(0, 1)).unflatten(0, packed.shape[:2]).to(acc)
+        exists = torch.arange(window, device=at.device) <= at.unsqueeze(-1)  # [B, W]: all once p >= W - 1
+        if not bool(exists.all()):  # rows a request has not written yet hold any bytes: zeros instead
+            ring.masked_fill_(~exists.unsqueeze(-1), 0)  # (a fresh gather, ours to change)
+        queries = group.rows(q).unsqueeze(1).to(acc)  # [B, 1, 1, H, D]
+        out = self._sink_attention(group, queries, ring.unsqueeze(1), exists.view(group.batch, 1, 1, window), picks, 0)
+        return out.flatten(0, 2).to(q.dtype)  # [B, H, D]
+
+    def _sink_attention(self, group: AttentionGroup, queries: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor,
+                        picks, pad: int) -> torch.Tensor:
+        """queries [B, N, Q, H, D] over their bands raw [B, N, K, D] (raw_allowed [B, N, Q, K]) plus the
+        compressed rows the group's queries see (the last block's `pad` queries past the chunk see
+        none) -> [B, N, Q, H, D]."""
+        blocks, block = queries.shape[1:3]
         compressed = compressed_allowed = None
         if self.compressor is not None:
             seen = group.compressed[self.ratio]
             stored = self.pools.compressed_rows(self.layer)
-            compressed = self._gather_main_rows(stored, (seen.pages, seen.page_rows), seen.exists).to(acc)
+            compressed = self._gather_main_rows(stored, (seen.pages, seen.page_rows), seen.exists).to(queries.dtype)
             allowed = seen.visible if picks is None else _picks_mask(picks, seen.pages.shape[1])
             compressed_allowed = torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
-        out = banded_sink_attention(queries, raw, group.band_allowed, compressed, compressed_allowed, self.sink,
-                                    self.cfg.head_dim**-0.5)  # [B, N, Q, H, D]
-        return out.flatten(1, 2)[:, :length].flatten(0, 1).to(q.dtype)  # [B*L, H, D]
+        return banded_sink_attention(queries, raw, raw_allowed, compressed, compressed_allowed, self.sink,
+                                     self.cfg.head_dim**-0.5)
 
     def _index_queries(self, x: torch.Tensor, qr: torch.Tensor, rope: Rope):
         cfg = self.cfg

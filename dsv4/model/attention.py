@@ -5,7 +5,8 @@ Projections, RoPE and the compressors run on the flattened batch. Attention itse
   the slot's window ring + the chunk's own raw rows   (query t sees positions t-W+1 .. t, taken as
                                                         one band of Q+W-1 rows (padded) per block of
                                                         Q queries; a lone block from position 0: its
-                                                        own Q rows)
+                                                        own Q rows; a one-token chunk: the slot's
+                                                        whole ring, its own row written first)
   ∪ compressed rows read back from the pages          (rows w < (t+1) // ratio;
                                                         CSA: only the lightning indexer's picks)
 plus the per-head sink. Every cached row is read back through its cache format, the chunk's own

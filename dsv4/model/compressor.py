@@ -20,54 +20,56 @@ from dsv4.kernels import dispatch
 from dsv4.kernels.rows import pack_index_rows, pack_main_rows
 from dsv4.memory.pools import put_rows
 
-from .ops import Rope, accumulation_dtype, input_major, linear, rms_norm
+from .ops import Rope, accumulation_dtype, rms_norm
 from .plan import CompressPlan
 
 
 class PagedCompressor:
-    def __init__(self, wkv: torch.Tensor, wgate: torch.Tensor, ape: torch.Tensor, norm: torch.Tensor, *,
-                 ratio: int, overlap: bool, norm_eps: float):
+    def __init__(self, ape: torch.Tensor, norm: torch.Tensor, *, ratio: int, overlap: bool, norm_eps: float):
+        """The token rows' projections (wkv, wgate) belong to the attention, which multiplies them
+        together with its own projections of the same layer input."""
         self.dim = norm.numel()
-        self.width = wkv.shape[0]  # coff * dim: with overlap, Ca (first dim channels) then Cb
-        self.w_kv_gate = input_major(torch.cat([wkv, wgate]))  # one projection for both halves of a state row
+        self.width = ape.shape[-1]  # coff * dim: with overlap, Ca (first dim channels) then Cb
         self.ape, self.norm = ape, norm
         self.ratio, self.overlap, self.norm_eps = ratio, overlap, norm_eps
 
-    def token_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> state rows [T, 2 * width] (kv | gate + ape) in at least fp32."""
-        acc = accumulation_dtype(x.dtype)
-        kv, gate = linear(x, self.w_kv_gate).split(self.width, dim=-1)
+    def token_rows(self, projected: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """projected [T, 2 * width] (the layer input times wkv | wgate) -> state rows [T, 2 * width]
+        (kv | gate + ape) in at least fp32."""
+        acc = accumulation_dtype(projected.dtype)
+        kv, gate = projected.split(self.width, dim=-1)
         score = gate.to(self.ape.dtype) + self.ape[positions % self.ratio]
         return torch.cat([kv.to(acc), score.to(acc)], dim=-1)
 
-    def advance(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, rope: Rope, state: torch.Tensor,
-                cache: torch.Tensor, row_format: str, *, kernels: bool) -> None:
-        """Feed this batch's tokens into `state` [slots, rows, 2 * width] (updated in place) and store
+    def advance(self, projected: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, rope: Rope,
+                state: torch.Tensor, cache: torch.Tensor, row_format: str, *, kernels: bool) -> None:
+        """Feed this batch's tokens (`projected`: their layer input times wkv | wgate, in the model's
+        dtype) into `state` [slots, rows, 2 * width] (updated in place) and store
         the rows of the windows they complete in `cache` (a pool view of `row_format` rows) at
         (plan.window_pages, plan.window_page_rows); `rope` rotates at plan.window_positions. With
         `kernels`, through the dispatcher's op."""
-        windows = self._feed(x, positions, plan, state)
+        windows = self._feed(projected, positions, plan, state)
         if windows.shape[0] == 0:  # no window completes (most decode steps): nothing to store
             return
         if kernels:
-            units = torch.arange(windows.shape[0], device=x.device)
+            units = torch.arange(windows.shape[0], device=projected.device)
             dispatch.compress_insert(windows, units, torch.zeros_like(units), plan.window_positions // self.ratio,
                                      rope.cos, rope.sin, self.norm, cache, plan.window_pages,
                                      plan.window_page_rows, ratio=self.ratio, row_format=row_format,
-                                     eps=self.norm_eps, model_dtype=x.dtype)
+                                     eps=self.norm_eps, model_dtype=projected.dtype)
             return
-        pooled = self._pool(windows).to(x.dtype)
+        pooled = self._pool(windows).to(projected.dtype)
         normed = rms_norm(pooled, self.norm, self.norm_eps)
         rows = rope.rotate_(normed)
         # "fp8" is the one index-key-only format; bf16 / fp32 rows are the same bytes either way.
         packed = pack_index_rows(rows, "fp8") if row_format == "fp8" else pack_main_rows(rows, row_format, rope.dim)
         put_rows(cache, (plan.window_pages, plan.window_page_rows), packed)
 
-    def _feed(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
+    def _feed(self, projected: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
               state: torch.Tensor) -> torch.Tensor:
         """Updates `state` with this batch's tokens; returns the slots of every window they complete,
         [n_windows, span, 2 * width] in at least fp32 (CSA: the previous window's 4 tokens first)."""
-        rows = self.token_rows(x, positions)
+        rows = self.token_rows(projected, positions)
         empty = torch.cat([rows.new_zeros(self.width), rows.new_full((self.width,), float("-inf"))])
         source = torch.cat([state[plan.state_slots, plan.state_rows].to(rows.dtype), rows, empty.unsqueeze(0)])
         windows = source[plan.window_sources]

@@ -69,8 +69,13 @@ class Region:
 
 def take_rows(rows: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
     """`rows[index]` for a uint8 row view [..., row_bytes]: a copy, moved as 4-byte words (a byte-wise
-    gather is ~10x slower)."""
-    return rows.view(torch.int32)[index].view(torch.uint8)
+    gather is ~10x slower). One flat index goes through index_select, which copies whole rows of a
+    strided pool view 2-3x faster than advanced indexing (a slot's window ring: 28 -> 8 us, 32 of
+    them 910 -> 400 us)."""
+    words = rows.view(torch.int32)
+    if len(index) == 1 and index[0].dim() == 1:
+        return words.index_select(0, index[0]).view(torch.uint8)
+    return words[index].view(torch.uint8)
 
 
 def put_rows(rows: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor) -> None:

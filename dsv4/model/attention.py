@@ -174,11 +174,8 @@ class PagedAttention:
         acc, window = accumulation_dtype(q.dtype), self.cfg.sliding_window
         pool, slots, at = self.pools.window(self.layer), group.slots[:, 0], group.rows(positions)[:, 0]
         put_rows(pool, (slots, at % window), group.rows(raw_rows)[:, 0])
-        packed = take_rows(pool, slots)  # [B, W, row_bytes]
-        ring = self._main_rows(packed.flatten(0, 1)).unflatten(0, packed.shape[:2]).to(acc)
         exists = torch.arange(window, device=at.device) <= at.unsqueeze(-1)  # [B, W]: all once p >= W - 1
-        if not bool(exists.all()):  # rows a request has not written yet hold any bytes: zeros instead
-            ring.masked_fill_(~exists.unsqueeze(-1), 0)  # (a fresh gather, ours to change)
+        ring = self._gather_main_rows(pool, (slots,), exists).to(acc)  # [B, W, D]: each slot's whole ring
         queries = group.rows(q).unsqueeze(1).to(acc)  # [B, 1, 1, H, D]
         out = self._sink_attention(group, queries, ring.unsqueeze(1), exists.view(group.batch, 1, 1, window), picks, 0)
         return out.flatten(0, 2).to(q.dtype)  # [B, H, D]
@@ -218,10 +215,13 @@ class PagedAttention:
         return _top_rows(scores, group.rows(positions), self.ratio, cfg.index_topk)
 
     def _gather_main_rows(self, pool: torch.Tensor, index: tuple[torch.Tensor, ...], exists: torch.Tensor):
-        """pool[index] as the cache returns it, [*index shape, head_dim]; rows that do not exist (before
-        position 0, past a shorter request's end) read as zeros, whatever bytes their storage holds."""
+        """pool[index] as the cache returns it, [*gathered rows' shape, head_dim]; rows that do not exist
+        (`exists` False: before position 0, past a shorter request's end, not yet written) read as
+        zeros, whatever bytes their storage holds."""
         packed = take_rows(pool, *index)
         rows = self._main_rows(packed.flatten(0, -2)).unflatten(0, packed.shape[:-1])
+        if bool(exists.all()):  # (most decode steps' rings): nothing to zero
+            return rows
         return rows.masked_fill_(~exists.unsqueeze(-1), 0)  # rows: a fresh gather, ours to change
 
     def _main_rows(self, packed: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.config import ModelConfig
+from dsv4.config import ModelConfig, cache_dir
 from dsv4.memory.pools import StatePools
-from dsv4.model.compile import EAGER, compile_pieces
+from dsv4.model.compile import compile_pieces, eager_pieces
 from dsv4.model.model import PagedModel
 from dsv4.model.plan import build_plan
 from dsv4.model.sharding import Reducer, ShardPlan
@@ -75,9 +75,8 @@ class ModelRunner:
         # Forwards of PARALLEL_FORWARD_TOKENS or more run on this many threads: torch's count when the
         # runner is built (its default: every core), before any forward has set it to 1.
         self.cpu_threads = torch.get_num_threads()
-        thread_counts = (1, self.cpu_threads) if self.device.type == "cpu" else (self.cpu_threads,)
-        pieces = (EAGER if args.disable_compile
-                  else compile_pieces(cfg, self.dtype, self.device, args.compile_timeout, thread_counts))
+        pieces = (eager_pieces(cfg) if args.disable_compile
+                  else compile_pieces(cfg, self.dtype, self.device, args.compile_timeout, cache_dir() / "compiled"))
         self.compiled = pieces.compiled
         self.model = PagedModel(cfg, weights, self.dtype, self.pools, kernels=kernels, shard=shard, reduce=reduce,
                                 pieces=pieces)

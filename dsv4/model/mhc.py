@@ -8,42 +8,80 @@ runs in at least fp32 and the streams keep their dtype.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .ops import accumulation_dtype, rms_norm
 
 
+class Residual(NamedTuple):
+    """The streams [T, n, hidden] and the last sublayer's output [T, hidden], not yet written into them
+    (with its `post` [T, n] and `comb` [T, n, n] mixing weights): writing it is the first step of the
+    next sublayer's `mix`, so both run as one piece."""
+
+    streams: torch.Tensor
+    output: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+
+    @classmethod
+    def start(cls, streams: torch.Tensor) -> Residual:
+        """Streams that no sublayer has written to: output 0, post 0 and comb the identity, which write
+        them back unchanged (exactly: every stream is 1 x itself + zeros)."""
+        tokens, n, hidden = streams.shape
+        acc = accumulation_dtype(streams.dtype)
+        return cls(streams, streams.new_zeros(tokens, hidden), streams.new_zeros(tokens, n, dtype=acc),
+                   torch.eye(n, dtype=acc, device=streams.device).repeat(tokens, 1, 1))
+
+    def rows(self, index: torch.Tensor) -> Residual:
+        return Residual(*(part[index] for part in self))
+
+    def written(self) -> torch.Tensor:
+        """The streams with the output written into them."""
+        return expand(*self)
+
+
 class HyperConnection:
     """The mixing weights of one sublayer: `fn` [(2+n)*n, n*hidden], `base` [(2+n)*n], `scale` [3]
-    (pre, post and comb scales), already in the accumulation dtype. `collapse_fn`: `collapse` itself
-    or its compiled form (dsv4/model/compile.py)."""
+    (pre, post and comb scales), already in the accumulation dtype, and the RMSNorm weight of the
+    sublayer's input. `mix_fn`: `mix` with the model's constants bound, or its compiled form
+    (dsv4/model/compile.py)."""
 
-    def __init__(self, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, hc_mult: int,
-                 sinkhorn_iters: int, hc_eps: float, norm_eps: float, collapse_fn=None):
-        n = self.n = hc_mult
-        self.fn, self.base = fn, base
+    def __init__(self, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor, *, hc_mult: int,
+                 mix_fn):
+        n = hc_mult
+        self.fn, self.base, self.norm = fn, base, norm
         # One scale per mix, so the three scale-and-shift steps are one addcmul.
         self.scale = scale.repeat_interleave(torch.tensor([n, n, n * n], device=scale.device))
-        self.sinkhorn_iters, self.hc_eps, self.norm_eps = sinkhorn_iters, hc_eps, norm_eps
-        self._collapse = collapse_fn or collapse
+        self._mix = mix_fn
 
-    def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T, n, hidden] -> (sublayer input [T, hidden], post [T, n], comb [T, n, n])."""
-        return self._collapse(streams, self.fn, self.base, self.scale, self.n, self.sinkhorn_iters, self.hc_eps,
-                              self.norm_eps)
+    def __call__(self, residual: Residual) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(streams with the last output written, this sublayer's normed input [T, hidden], its post, comb)."""
+        return self._mix(*residual, self.fn, self.base, self.scale, self.norm)
 
-    @staticmethod
-    def expand(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """New stream j = post_j * output + sum_i comb[i, j] * stream i (one batched matmul-add)."""
-        acc = post.dtype
-        written = post.unsqueeze(-1) * output.to(acc).unsqueeze(-2)  # [T, n, hidden]
-        return torch.baddbmm(written, comb.transpose(-1, -2), streams.to(acc)).to(streams.dtype)
+
+def mix(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+        base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor, *, n: int, sinkhorn_iters: int, hc_eps: float,
+        norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Between two sublayers: the last one's output written into the streams (`expand`), then the next
+    one's input collapsed from them (`collapse`) and RMS-normed. A function of tensors and constants
+    only, so that one compiled form serves every sublayer (`scale` already repeated per mix)."""
+    streams = expand(streams, output, post, comb)
+    x, post, comb = collapse(streams, fn, base, scale, n, sinkhorn_iters, hc_eps, norm_eps)
+    return streams, rms_norm(x, norm, norm_eps), post, comb
+
+
+def expand(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New stream j = post_j * output + sum_i comb[i, j] * stream i (one batched matmul-add)."""
+    acc = post.dtype
+    written = post.unsqueeze(-1) * output.to(acc).unsqueeze(-2)  # [T, n, hidden]
+    return torch.baddbmm(written, comb.transpose(-1, -2), streams.to(acc)).to(streams.dtype)
 
 
 def collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,
              sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`HyperConnection.collapse` as a function of tensors and constants only, so that one compiled
-    form serves every layer (`scale` already repeated per mix)."""
+    """streams [T, n, hidden] -> (sublayer input [T, hidden], post [T, n], comb [T, n, n])."""
     logits = torch.addcmul(base, stream_mixes(streams, fn, norm_eps), scale)
     gates = torch.sigmoid(logits[:, : 2 * n])
     pre, post = gates[:, :n] + hc_eps, gates[:, n:] * 2

@@ -14,8 +14,8 @@ from dsv4.config import WINDOW, ModelConfig
 from dsv4.memory.pools import StatePools
 
 from .attention import PagedAttention
-from .compile import EAGER, Pieces
-from .mhc import HyperConnection, hc_head
+from .compile import Pieces, eager_pieces
+from .mhc import HyperConnection, Residual, hc_head
 from .moe import GroupedMoE
 from .ops import Rope, accumulation_dtype, input_major, layer_inv_freq, linear, rms_norm
 from .plan import BatchPlan
@@ -31,12 +31,13 @@ _FULL_PRECISION_SUFFIXES = ("_fn", "_base", "_scale", "norm.weight", "attn_sink"
 class PagedModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, pools: StatePools,
                  *, kernels: bool | None = None, shard: ShardPlan | None = None, reduce: Reducer | None = None,
-                 pieces: Pieces = EAGER):
+                 pieces: Pieces | None = None):
         """`kernels`: attention, indexer and compressor inserts through `dsv4.kernels.dispatch` (Triton
         on CUDA); default: when the pools are on CUDA. `weights` hold this rank's part (`shard`, default
         all of it); `reduce` sums partial results across tensor-parallel ranks (None: TP=1). `pieces`:
-        eager or compiled implementations of the many-small-op pieces (dsv4/model/compile.py)."""
+        eager (default) or compiled implementations of the many-small-op pieces (dsv4/model/compile.py)."""
         self.cfg, self.dtype = cfg, dtype
+        pieces = pieces or eager_pieces(cfg)
         shard = shard or ShardPlan(cfg)
         self.kernels = pools.device.type == "cuda" if kernels is None else kernels
         w = _WeightReader(weights, dtype, accumulation_dtype(dtype), pools.device)
@@ -54,40 +55,36 @@ class PagedModel:
         cfg = self.cfg
         x = self.embed[plan.token_ids]
         # [T, hc, hidden], contiguous like every later layer's streams (one layout for compiled code)
-        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        residual = Residual.start(x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous())
         ropes = {window: Rope(plan.positions, inv_freq, self.dtype) for window, inv_freq in self.inv_freq.items()}
         for block in self.blocks:
-            streams = block(streams, plan, ropes[block.window], on_selection)
-        last = streams[torch.cat([plan.sample_tokens, plan.prompt_tokens])]
+            residual = block(residual, plan, ropes[block.window], on_selection)
+        last = residual.rows(torch.cat([plan.sample_tokens, plan.prompt_tokens])).written()
         x = hc_head(last, *self.hc_head_weights, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         return linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.head).float()
 
 
 class _Block:
-    """One decoder layer: mHC around attention, then mHC around the MoE."""
+    """One decoder layer: mHC around attention, then mHC around the MoE. The layer's output stays
+    unwritten in the residual it returns: the next layer's first mix writes it."""
 
     def __init__(self, cfg: ModelConfig, layer: int, w, pools: StatePools, kernels: bool, shard: ShardPlan,
                  reduce: Reducer | None, pieces: Pieces):
-        self.eps, self.window = cfg.rms_norm_eps, cfg.layer_kind(layer) == WINDOW
+        self.window = cfg.layer_kind(layer) == WINDOW
         self.attn_hc, self.ffn_hc = (
             HyperConnection(*(w(f"layers.{layer}.hc_{kind}_{part}") for part in ("fn", "base", "scale")),
-                            hc_mult=cfg.hc_mult, sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
-                            norm_eps=cfg.rms_norm_eps, collapse_fn=pieces.collapse)
+                            w(f"layers.{layer}.{kind}_norm.weight"), hc_mult=cfg.hc_mult, mix_fn=pieces.mix)
             for kind in ("attn", "ffn"))
-        self.attn_norm, self.ffn_norm = w(f"layers.{layer}.attn_norm.weight"), w(f"layers.{layer}.ffn_norm.weight")
         self.attn = PagedAttention(cfg, layer, w.under(f"layers.{layer}.attn."), pools, kernels=kernels,
                                    shard=shard, reduce=reduce)
         self.ffn = GroupedMoE(cfg, layer, w.under(f"layers.{layer}.ffn."), shard=shard, reduce=reduce)
 
-    def __call__(self, streams: torch.Tensor, plan: BatchPlan, rope: Rope,
-                 on_selection: SelectionSink | None) -> torch.Tensor:
-        """streams [T, hc, hidden] of the batch's tokens; `rope` at the batch's positions."""
-        x, post, comb = self.attn_hc.collapse(streams)
-        y = self.attn(rms_norm(x, self.attn_norm, self.eps), plan, rope, on_selection)
-        streams = HyperConnection.expand(streams, y, post, comb)
-        x, post, comb = self.ffn_hc.collapse(streams)
-        y = self.ffn(rms_norm(x, self.ffn_norm, self.eps), plan.token_ids)
-        return HyperConnection.expand(streams, y, post, comb)
+    def __call__(self, residual: Residual, plan: BatchPlan, rope: Rope, on_selection: SelectionSink | None) -> Residual:
+        """The residual of the batch's tokens; `rope` at the batch's positions."""
+        streams, x, post, comb = self.attn_hc(residual)
+        y = self.attn(x, plan, rope, on_selection)
+        streams, x, post, comb = self.ffn_hc(Residual(streams, y, post, comb))
+        return Residual(streams, self.ffn(x, plan.token_ids), post, comb)
 
 
 class _WeightReader:

@@ -19,7 +19,7 @@ import torch
 
 from dsv4.config import ModelConfig, cache_dir
 from dsv4.memory.pools import StatePools
-from dsv4.model.compile import compile_pieces, eager_pieces
+from dsv4.model.compile import compile_pieces
 from dsv4.model.model import PagedModel
 from dsv4.model.plan import build_plan
 from dsv4.model.sharding import Reducer, ShardPlan
@@ -75,11 +75,10 @@ class ModelRunner:
         # Forwards of PARALLEL_FORWARD_TOKENS or more run on this many threads: torch's count when the
         # runner is built (its default: every core), before any forward has set it to 1.
         self.cpu_threads = torch.get_num_threads()
-        pieces = (eager_pieces(cfg) if args.disable_compile
-                  else compile_pieces(cfg, self.dtype, self.device, args.compile_timeout, cache_dir() / "compiled"))
-        self.compiled = pieces.compiled
-        self.model = PagedModel(cfg, weights, self.dtype, self.pools, kernels=kernels, shard=shard, reduce=reduce,
-                                pieces=pieces)
+        self.model = PagedModel(cfg, weights, self.dtype, self.pools, kernels=kernels, shard=shard, reduce=reduce)
+        if not args.disable_compile:  # for this model's shapes: its weights are the examples
+            self.model.pieces = compile_pieces(self.model, args.compile_timeout, cache_dir() / "compiled")
+        self.compiled = self.model.pieces.compiled
         self.index_query_oracle = (IndexQueryOracle(cfg, weights, self.dtype, self.device)
                                    if args.verify_indexer == "full" else None)
         self.indexer_check: IndexerVerifier | None = None  # of the last forward, when it was verified

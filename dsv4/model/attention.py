@@ -19,6 +19,8 @@ reading the pools directly; the torch code above is the CPU path.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dsv4.config import CSA, HCA, WINDOW, ModelConfig
@@ -27,12 +29,25 @@ from dsv4.kernels import rows as row_formats
 from dsv4.memory.pools import StatePools, put_rows, take_rows
 
 from .compressor import PagedCompressor
-from .ops import Rope, accumulation_dtype, input_major, linear, rms_norm
+from .mhc import mix
+from .ops import Rope, accumulation_dtype, input_major, linear, rms_norm, rotate_
 from .plan import AttentionGroup, BatchPlan
 from .selection import IndexerSelection, SelectionSink
 from .sharding import Reducer, ShardPlan
 
 _PLAIN_ROW_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+class AttentionInputs(NamedTuple):
+    """What an attention layer computes from its input before it touches any state (`project_inputs`)."""
+
+    x: torch.Tensor  # [T, hidden] the layer input (attn_norm'ed)
+    q: torch.Tensor  # [T, H, D] queries, normed and rotated
+    kv: torch.Tensor  # [T, D] the raw (key = value) rows, normed and rotated
+    qr: torch.Tensor  # [T, q_lora_rank] the normed low-rank query (the indexer's input)
+    # [T, width] the whole product of the input: wq_a | wkv | the compressors' kv | gate | the indexer's
+    # head weights (a window layer has only the first two)
+    projected: torch.Tensor
 
 
 class PagedAttention:
@@ -41,7 +56,7 @@ class PagedAttention:
         """`w(name)` fetches this layer's tensor `attn.<name>` (this rank's part, `shard`), already in the
         dtype its math runs in. `reduce` sums partial results across tensor-parallel ranks (None: TP=1)."""
         self.cfg, self.layer, self.pools, self.kernels = cfg, layer, pools, kernels
-        self.heads, self.o_groups, self.index_heads, self.reduce = shard.heads, shard.o_groups, shard.index_heads, reduce
+        self.o_groups, self.index_heads, self.reduce = shard.o_groups, shard.index_heads, reduce
         self.q_norm, self.wq_b, self.kv_norm = w("q_norm.weight"), input_major(w("wq_b.weight")), w("kv_norm.weight")
         # [G, o_lora_rank, heads/G * head_dim], the checkpoint's layout, unlike the other projections:
         # the grouped product's narrow outputs read it ~2x faster at one token (fp32, one thread:
@@ -65,22 +80,19 @@ class PagedAttention:
         inputs += [torch.cat([w(prefix + "wkv.weight"), w(prefix + "wgate.weight")]) for prefix in compressors]
         if kind == CSA:
             inputs.append(w("indexer.weights_proj.weight"))
-        self.input_widths = [part.shape[0] for part in inputs]
-        self.w_input = input_major(torch.cat(inputs))
+        self.rest_start, self.rest_widths = sum(part.shape[0] for part in inputs[:2]), [part.shape[0] for part in inputs[2:]]
+        # (`project_inputs`' weights, in its order)
+        self.input_weights = (input_major(torch.cat(inputs)), self.q_norm, self.wq_b, self.kv_norm)
 
-    def __call__(self, x: torch.Tensor, plan: BatchPlan, rope: Rope,
+    def __call__(self, inputs: AttentionInputs, plan: BatchPlan, rope: Rope,
                  on_selection: SelectionSink | None = None) -> torch.Tensor:
-        """x [T, hidden] (attn_norm'ed) -> [T, hidden]; stores this layer's rows of the batch. `rope`
-        rotates at the batch's positions. A CSA layer hands its indexer's inputs and selection to
-        `on_selection` (--verify-indexer)."""
+        """The layer's projected input (`project_inputs` with `input_weights`) -> [T, hidden]; stores
+        this layer's rows of the batch. `rope` rotates at the batch's positions. A CSA layer hands its
+        indexer's inputs and selection to `on_selection` (--verify-indexer)."""
         cfg, pools, positions = self.cfg, self.pools, plan.positions
-        q_low, kv, *compressor_inputs = linear(x, self.w_input).split(self.input_widths, dim=-1)
-        qr = rms_norm(q_low, self.q_norm, cfg.rms_norm_eps)
-        q = linear(qr, self.wq_b).unflatten(-1, (self.heads, cfg.head_dim))
-        q = rope.rotate_(rms_norm(q, None, cfg.rms_norm_eps))  # [T, H, D]
-
-        kv = rms_norm(kv, self.kv_norm, cfg.rms_norm_eps)
-        raw_rows = row_formats.pack_main_rows(rope.rotate_(kv), pools.main_format, cfg.rope_head_dim)
+        x, q, kv, qr, projected = inputs
+        compressor_inputs = projected[:, self.rest_start :].split(self.rest_widths, dim=-1)
+        raw_rows = row_formats.pack_main_rows(kv, pools.main_format, cfg.rope_head_dim)
 
         index_queries = None
         if self.compressor is not None:  # rows of windows this batch completes, before any query reads them
@@ -230,6 +242,35 @@ class PagedAttention:
         if fmt in _PLAIN_ROW_DTYPES:  # rows stored as-is: a view, not unpack's copy
             return packed.view(_PLAIN_ROW_DTYPES[fmt])
         return row_formats.unpack_main_rows(packed, fmt, cfg.head_dim, cfg.rope_head_dim)
+
+
+def project_inputs(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor, wq_b: torch.Tensor,
+                   kv_norm: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, *, eps: float) -> AttentionInputs:
+    """Every projection of the layer input x [T, hidden] as one product (`w_input`: wq_a, wkv, then the
+    rest), the query and raw-row norms and their rotation at the tokens' positions (RoPE tables cos2,
+    sin2 [T, R]). Shapes come from the weights, so one compiled form serves every layer (the part past
+    wq_a | wkv, empty in window layers, is left in the product: sliced out here, its width would be
+    specialised)."""
+    q_rank, head_dim = q_norm.shape[0], kv_norm.shape[0]
+    projected = linear(x, w_input)
+    q_low, kv = projected[:, :q_rank], projected[:, q_rank : q_rank + head_dim]
+    qr = rms_norm(q_low, q_norm, eps)
+    q = linear(qr, wq_b).unflatten(-1, (-1, head_dim))
+    q = rotate_(rms_norm(q, None, eps), cos2, sin2)
+    kv = rotate_(rms_norm(kv, kv_norm, eps), cos2, sin2)
+    return AttentionInputs(x, q, kv, qr, projected)
+
+
+def attention_entry(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                    fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor, w_input: torch.Tensor,
+                    q_norm: torch.Tensor, wq_b: torch.Tensor, kv_norm: torch.Tensor, cos2: torch.Tensor,
+                    sin2: torch.Tensor, *, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    """From a layer's incoming residual to its attention's projected input: `mix` (the last sublayer's
+    output written, the attention's input collapsed and normed), then `project_inputs`. Returns
+    (streams, post, comb, *AttentionInputs): one piece, so that one compiled call covers all of it."""
+    streams, x, post, comb = mix(streams, output, post, comb, fn, base, scale, norm, n=n,
+                                 sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    return (streams, post, comb, *project_inputs(x, w_input, q_norm, wq_b, kv_norm, cos2, sin2, eps=norm_eps))
 
 
 def _indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

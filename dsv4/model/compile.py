@@ -1,25 +1,30 @@
-"""Ahead-of-time compilation (AOTInductor) of the model's piece made of many tiny ops, once per machine.
+"""Ahead-of-time compilation (AOTInductor) of the model's pieces made of many tiny ops, once per machine.
 
-Why: on the CPU a decode step is dominated by per-op overhead, not arithmetic, and mHC is most of a
-step's ops: between every two sublayers (16 times a step in the small preset) the last output is
-written into the streams and the next input collapsed from them, which normalises 4x4 mixing
-matrices with 20 Sinkhorn iterations of row and column sums. Compiled, that `mix` is one call of
-fused C++ kernels. Ahead of time rather than `torch.compile`'s just-in-time form because a call then
-skips dynamo's guards on every input: measured in a c=1 decode step (small, fp32, 16 calls), 207 us
-a call jit-compiled against ~100 us, and ~400 us eager.
+Why: on the CPU a decode step is dominated by per-op overhead, not arithmetic. Two pieces cover most
+of a layer's small ops:
+- `mix` (dsv4.model.mhc): between the attention and the MoE, the attention's output is written into
+  the streams and the MoE's input collapsed from them (4x4 mixing matrices normalised by 20 Sinkhorn
+  iterations of row and column sums) and normed;
+- `attention_entry` (dsv4.model.attention): the same mix from the last layer's output to the
+  attention's input, then every projection of that input, the query and raw-row norms and RoPE.
+Compiled, each is one call of fused C++ kernels around its matmuls. Ahead of time rather than
+`torch.compile`'s just-in-time form because a call then skips dynamo's guards on every input:
+measured in a c=1 decode step (small, fp32, 16 calls), ~100 us a call of the mix against 207 us
+jit-compiled, and ~400 us eager.
 
-The compiled function is the same math as the eager one (`dsv4.model.mhc.mix`, exported as it
-stands); only the summation order of the fused code may differ, within fp32 rounding. Its token
-count is symbolic, so one package serves every batch size. Its fused kernels run on one thread
+Each compiled piece is the eager function exported as it stands: the same math, where only the
+summation order of the fused code may differ, within fp32 rounding. Its token count is symbolic (and
+the width of the layer's input projection, which differs between window, HCA and CSA layers), so one
+package per piece serves every layer and batch size. Its fused kernels run on one thread
 (`cpp.threads`): they are small, and decode forwards run on one thread
-(dsv4.engine.runner.PARALLEL_FORWARD_TOKENS); the matmul inside follows the calling thread's count.
+(dsv4.engine.runner.PARALLEL_FORWARD_TOKENS); the matmuls inside follow the calling thread's count.
 
 Packages are kept in `cache` under a key of everything the code depends on (torch's version, the
-CPU's vector ISA, the dtype and the model's mHC shape and constants, and the source of the modules
-that define the math), so a restart on the same machine loads in a fraction of a second. Compiling
-or loading is bounded by `timeout`: past it, or on any failure, the model serves eagerly and says so
-(a slow compiler never keeps a server from starting; a compile that finishes late still fills the
-cache for the next start).
+CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, and the source of the
+modules that define the math), so a restart on the same machine loads in a fraction of a second.
+Compiling or loading is bounded by `timeout`: past it, or on any failure, the model serves eagerly
+and says so (a slow compiler never keeps a server from starting; a compile that finishes late still
+fills the cache for the next start).
 """
 
 from __future__ import annotations
@@ -34,103 +39,142 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from dsv4.config import ModelConfig
 
-from . import mhc, ops
-from .ops import accumulation_dtype
+from . import attention, mhc, ops
+
+if TYPE_CHECKING:
+    from .model import PagedModel
 
 log = logging.getLogger(__name__)
+
+_SOURCES = (attention, mhc, ops)  # the modules whose code the pieces run
 
 
 @dataclass(frozen=True)
 class Pieces:
-    """The implementations the model calls for its compilable pieces."""
+    """The implementations the model calls for its compilable pieces (tensors in, tensors out)."""
 
-    mix: Callable  # mhc.mix over tensors only (the model's constants bound)
+    mix: Callable  # mhc.mix with the model's constants bound
+    attention_entry: Callable  # attention.attention_entry with the model's constants bound
     compiled: bool
 
 
 def eager_pieces(cfg: ModelConfig) -> Pieces:
-    return Pieces(mix=functools.partial(mhc.mix, **_mix_constants(cfg)), compiled=False)
+    constants = _constants(cfg)
+    return Pieces(mix=functools.partial(mhc.mix, **constants),
+                  attention_entry=functools.partial(attention.attention_entry, **constants), compiled=False)
 
 
-def compile_pieces(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, timeout: float, cache: Path) -> Pieces:
-    """The compiled pieces, loaded from `cache` or compiled into it; eager ones if that takes over
-    `timeout` s or fails."""
-    package = cache / f"mix-{_key(cfg, dtype, device)}.pt2"
+def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
+    """`model`'s pieces compiled (or loaded from `cache`), for its weights' shapes and dtypes; its eager
+    pieces if that takes over `timeout` s or fails."""
+    examples = _examples(model)
+    key = _key(model.cfg, examples)
+    packages = {name: cache / f"{name}-{key}.pt2" for name in examples}
     started = time.monotonic()
-    action = "loading" if package.exists() else "compiling (once per machine and version)"
-    log.info("%s the model's mHC mix with AOTInductor: %s (bounded by --compile-timeout %.0f s; --disable-compile "
-             "to skip)", action, package, timeout)
+    action = "loading" if all(path.exists() for path in packages.values()) else "compiling (once per machine)"
+    log.info("%s the model's pieces (%s) with AOTInductor into %s (bounded by --compile-timeout %.0f s; "
+             "--disable-compile to skip)", action, ", ".join(packages), cache, timeout)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-compile")
     try:
-        runner = pool.submit(_load_or_compile, package, cfg, dtype, device).result(timeout=timeout)
+        compiled = pool.submit(_load_or_compile_all, packages, examples, model.cfg).result(timeout=timeout)
     except FutureTimeout:
         log.warning("compiling did not finish within %.0f s: serving eagerly", timeout)
-        return eager_pieces(cfg)
+        return eager_pieces(model.cfg)
     except Exception as e:  # noqa: BLE001 -- any compiler failure means: serve eagerly, and say why
         log.warning("compiling failed (%s: %s): serving eagerly", type(e).__name__, e)
-        return eager_pieces(cfg)
+        return eager_pieces(model.cfg)
     finally:
         pool.shutdown(wait=False)
-    log.info("compiled pieces ready in %.1f s (%s)", time.monotonic() - started, package)
-    return Pieces(mix=runner, compiled=True)
+    log.info("compiled pieces ready in %.1f s", time.monotonic() - started)
+    return Pieces(**compiled, compiled=True)
 
 
 class _Mix(torch.nn.Module):
-    """`mhc.mix` as the module torch.export takes."""
+    """The pieces as the modules torch.export takes (explicit arguments: export maps its dynamic
+    shapes onto them)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.constants = _mix_constants(cfg)
+        self.constants = _constants(cfg)
 
     def forward(self, streams, output, post, comb, fn, base, scale, norm):
         return mhc.mix(streams, output, post, comb, fn, base, scale, norm, **self.constants)
 
 
-def _load_or_compile(package: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Callable:
+class _AttentionEntry(_Mix):
+    def forward(self, streams, output, post, comb, fn, base, scale, norm, w_input, q_norm, wq_b, kv_norm, cos2, sin2):
+        return attention.attention_entry(streams, output, post, comb, fn, base, scale, norm, w_input, q_norm, wq_b,
+                                         kv_norm, cos2, sin2, **self.constants)
+
+
+_MODULES = {"mix": _Mix, "attention_entry": _AttentionEntry}
+
+
+def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Each piece's arguments for a batch of 2 tokens: zero activations, the weights of the layer with
+    the widest input projection (traced at a window layer's, the empty rest would be specialised)."""
+    block = max(model.blocks, key=lambda block: block.attn.input_weights[0].shape[1])
+    cfg, tokens = model.cfg, 2
+    n, hidden, dtype = cfg.hc_mult, cfg.hidden_size, model.dtype
+    acc, device = ops.accumulation_dtype(dtype), model.embed.device
+    residual = (torch.zeros(tokens, n, hidden, dtype=dtype, device=device),
+                torch.zeros(tokens, hidden, dtype=dtype, device=device),
+                torch.zeros(tokens, n, dtype=acc, device=device),
+                torch.zeros(tokens, n, n, dtype=acc, device=device))
+    # (every example its own tensor: export would trace two arguments passed as one tensor as one input)
+    cos2, sin2 = (torch.zeros(tokens, cfg.rope_head_dim, dtype=acc, device=device) for _ in range(2))
+    return {"mix": (*residual, *block.ffn_hc.weights),
+            "attention_entry": (*residual, *block.attn_hc.weights, *block.attn.input_weights, cos2, sin2)}
+
+
+def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
+    tokens = torch.export.Dim("tokens", min=1)
+    residual = [{0: tokens}] * 4
+    if name == "mix":
+        return [*residual, None, None, None, None]
+    # wq_a | wkv | the rest, which window, HCA and CSA layers size differently (window layers: empty)
+    q_norm, kv_norm = example[9], example[11]
+    width = torch.export.Dim("input_width", min=q_norm.shape[0] + kv_norm.shape[0])
+    return [*residual, None, None, None, None, {1: width}, None, None, None, {0: tokens}, {0: tokens}]
+
+
+def _load_or_compile_all(packages: dict[str, Path], examples: dict[str, tuple], cfg: ModelConfig) -> dict[str, Callable]:
+    return {name: _load_or_compile(path, name, examples[name], cfg) for name, path in packages.items()}
+
+
+def _load_or_compile(package: Path, name: str, example: tuple[torch.Tensor, ...], cfg: ModelConfig) -> Callable:
     if not package.exists():
         package.parent.mkdir(parents=True, exist_ok=True)
-        tokens = torch.export.Dim("tokens", min=1)
-        program = torch.export.export(_Mix(cfg), _example_inputs(cfg, dtype, device),
-                                      dynamic_shapes=[{0: tokens}] * 4 + [None] * 4)
+        program = torch.export.export(_MODULES[name](cfg), example, dynamic_shapes=_dynamic_shapes(name, example))
         partial = package.with_name(f"{package.stem}.{os.getpid()}.partial.pt2")
-        configs = {"cpp.threads": 1} if device.type == "cpu" else {}
+        configs = {"cpp.threads": 1} if example[0].device.type == "cpu" else {}
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=configs)
         os.replace(partial, package)  # whole or absent: a concurrent start never loads half a package
     compiled = torch._inductor.aoti_load_package(str(package))
 
-    def mix(*tensors: torch.Tensor):
+    def piece(*tensors: torch.Tensor):
         # The package's kernels index their inputs as the contiguous examples were laid out; they
-        # do not check strides (an expanded identity `comb` read as [T, n, n] rows reads garbage).
+        # do not check strides (an expanded tensor read as whole rows reads garbage).
         return compiled(*(t.contiguous() for t in tensors))
 
-    return mix
+    return piece
 
 
-def _example_inputs(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
-    n, hidden, acc, tokens = cfg.hc_mult, cfg.hidden_size, accumulation_dtype(dtype), 2
-    mixes = (2 + n) * n
-    return (torch.zeros(tokens, n, hidden, dtype=dtype, device=device),
-            torch.zeros(tokens, hidden, dtype=dtype, device=device),
-            torch.zeros(tokens, n, dtype=acc, device=device),
-            torch.zeros(tokens, n, n, dtype=acc, device=device),
-            torch.zeros(mixes, n * hidden, dtype=acc, device=device),
-            torch.zeros(mixes, dtype=acc, device=device),
-            torch.ones(mixes, dtype=acc, device=device),
-            torch.ones(hidden, dtype=acc, device=device))
-
-
-def _mix_constants(cfg: ModelConfig) -> dict:
+def _constants(cfg: ModelConfig) -> dict:
     return {"n": cfg.hc_mult, "sinkhorn_iters": cfg.hc_sinkhorn_iters, "hc_eps": cfg.hc_eps,
             "norm_eps": cfg.rms_norm_eps}
 
 
-def _key(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> str:
-    sources = b"".join(Path(module.__file__).read_bytes() for module in (mhc, ops))
+def _key(cfg: ModelConfig, examples: dict[str, tuple[torch.Tensor, ...]]) -> str:
+    device = next(iter(examples.values()))[0].device
     isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else torch.cuda.get_device_name(device)
-    facts = (torch.__version__, isa, str(dtype), device.type, cfg.hidden_size, sorted(_mix_constants(cfg).items()))
+    shapes = {name: [(tuple(t.shape), str(t.dtype)) for t in tensors] for name, tensors in examples.items()}
+    facts = (torch.__version__, isa, device.type, sorted(_constants(cfg).items()), sorted(shapes.items()))
+    sources = b"".join(Path(module.__file__).read_bytes() for module in _SOURCES)
     return hashlib.sha256(repr(facts).encode() + sources).hexdigest()[:16]

@@ -43,22 +43,15 @@ class Residual(NamedTuple):
 
 
 class HyperConnection:
-    """The mixing weights of one sublayer: `fn` [(2+n)*n, n*hidden], `base` [(2+n)*n], `scale` [3]
-    (pre, post and comb scales), already in the accumulation dtype, and the RMSNorm weight of the
-    sublayer's input. `mix_fn`: `mix` with the model's constants bound, or its compiled form
-    (dsv4/model/compile.py)."""
+    """The mixing weights of one sublayer, as `mix` takes them: `fn` [(2+n)*n, n*hidden], `base`
+    [(2+n)*n], `scale` [3] (pre, post and comb scales), already in the accumulation dtype, and the
+    RMSNorm weight of the sublayer's input."""
 
-    def __init__(self, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor, *, hc_mult: int,
-                 mix_fn):
+    def __init__(self, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor, *, hc_mult: int):
         n = hc_mult
-        self.fn, self.base, self.norm = fn, base, norm
         # One scale per mix, so the three scale-and-shift steps are one addcmul.
-        self.scale = scale.repeat_interleave(torch.tensor([n, n, n * n], device=scale.device))
-        self._mix = mix_fn
-
-    def __call__(self, residual: Residual) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(streams with the last output written, this sublayer's normed input [T, hidden], its post, comb)."""
-        return self._mix(*residual, self.fn, self.base, self.scale, self.norm)
+        scale = scale.repeat_interleave(torch.tensor([n, n, n * n], device=scale.device))
+        self.weights = (fn, base, scale, norm)
 
 
 def mix(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,

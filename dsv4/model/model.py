@@ -13,7 +13,7 @@ import torch
 from dsv4.config import WINDOW, ModelConfig
 from dsv4.memory.pools import StatePools
 
-from .attention import PagedAttention
+from .attention import AttentionInputs, PagedAttention
 from .compile import Pieces, eager_pieces
 from .mhc import HyperConnection, Residual, hc_head
 from .moe import GroupedMoE
@@ -30,20 +30,20 @@ _FULL_PRECISION_SUFFIXES = ("_fn", "_base", "_scale", "norm.weight", "attn_sink"
 
 class PagedModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, pools: StatePools,
-                 *, kernels: bool | None = None, shard: ShardPlan | None = None, reduce: Reducer | None = None,
-                 pieces: Pieces | None = None):
+                 *, kernels: bool | None = None, shard: ShardPlan | None = None, reduce: Reducer | None = None):
         """`kernels`: attention, indexer and compressor inserts through `dsv4.kernels.dispatch` (Triton
         on CUDA); default: when the pools are on CUDA. `weights` hold this rank's part (`shard`, default
-        all of it); `reduce` sums partial results across tensor-parallel ranks (None: TP=1). `pieces`:
-        eager (default) or compiled implementations of the many-small-op pieces (dsv4/model/compile.py)."""
+        all of it); `reduce` sums partial results across tensor-parallel ranks (None: TP=1)."""
         self.cfg, self.dtype = cfg, dtype
-        pieces = pieces or eager_pieces(cfg)
+        # The implementations of the many-small-op pieces: eager until the runner swaps in compiled
+        # ones, built for this model's shapes (dsv4/model/compile.py).
+        self.pieces: Pieces = eager_pieces(cfg)
         shard = shard or ShardPlan(cfg)
         self.kernels = pools.device.type == "cuda" if kernels is None else kernels
         w = _WeightReader(weights, dtype, accumulation_dtype(dtype), pools.device)
         self.embed, self.head, self.norm = w("embed.weight"), input_major(w("head.weight")), w("norm.weight")
         self.hc_head_weights = (w("hc_head_fn"), w("hc_head_base"), w("hc_head_scale"))
-        self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce, pieces) for i in range(cfg.num_layers)]
+        self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce) for i in range(cfg.num_layers)]
         # RoPE frequencies by "is a window layer": every layer of a kind rotates by the same tables.
         self.inv_freq = {block.window: layer_inv_freq(cfg, i).to(pools.device) for i, block in enumerate(self.blocks)}
 
@@ -58,7 +58,7 @@ class PagedModel:
         residual = Residual.start(x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous())
         ropes = {window: Rope(plan.positions, inv_freq, self.dtype) for window, inv_freq in self.inv_freq.items()}
         for block in self.blocks:
-            residual = block(residual, plan, ropes[block.window], on_selection)
+            residual = block(residual, plan, ropes[block.window], on_selection, self.pieces)
         last = residual.rows(torch.cat([plan.sample_tokens, plan.prompt_tokens])).written()
         x = hc_head(last, *self.hc_head_weights, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         return linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.head).float()
@@ -69,21 +69,23 @@ class _Block:
     unwritten in the residual it returns: the next layer's first mix writes it."""
 
     def __init__(self, cfg: ModelConfig, layer: int, w, pools: StatePools, kernels: bool, shard: ShardPlan,
-                 reduce: Reducer | None, pieces: Pieces):
+                 reduce: Reducer | None):
         self.window = cfg.layer_kind(layer) == WINDOW
         self.attn_hc, self.ffn_hc = (
             HyperConnection(*(w(f"layers.{layer}.hc_{kind}_{part}") for part in ("fn", "base", "scale")),
-                            w(f"layers.{layer}.{kind}_norm.weight"), hc_mult=cfg.hc_mult, mix_fn=pieces.mix)
+                            w(f"layers.{layer}.{kind}_norm.weight"), hc_mult=cfg.hc_mult)
             for kind in ("attn", "ffn"))
         self.attn = PagedAttention(cfg, layer, w.under(f"layers.{layer}.attn."), pools, kernels=kernels,
                                    shard=shard, reduce=reduce)
         self.ffn = GroupedMoE(cfg, layer, w.under(f"layers.{layer}.ffn."), shard=shard, reduce=reduce)
 
-    def __call__(self, residual: Residual, plan: BatchPlan, rope: Rope, on_selection: SelectionSink | None) -> Residual:
+    def __call__(self, residual: Residual, plan: BatchPlan, rope: Rope, on_selection: SelectionSink | None,
+                 pieces: Pieces) -> Residual:
         """The residual of the batch's tokens; `rope` at the batch's positions."""
-        streams, x, post, comb = self.attn_hc(residual)
-        y = self.attn(x, plan, rope, on_selection)
-        streams, x, post, comb = self.ffn_hc(Residual(streams, y, post, comb))
+        streams, post, comb, *inputs = pieces.attention_entry(*residual, *self.attn_hc.weights,
+                                                              *self.attn.input_weights, rope.cos2, rope.sin2)
+        y = self.attn(AttentionInputs(*inputs), plan, rope, on_selection)
+        streams, x, post, comb = pieces.mix(streams, y, post, comb, *self.ffn_hc.weights)
         return Residual(streams, self.ffn(x, plan.token_ids), post, comb)
 
 

@@ -87,9 +87,15 @@ class Rope:
     def rotate_(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotates x [T, D] or [T, heads, D] in place (backwards with `inverse`) and returns it: callers
         pass tensors they own, so the other D - dim dims are not copied."""
-        cos2, sin2 = (self.cos2, self.sin2) if x.dim() == 2 else (self.cos2.unsqueeze(1), self.sin2.unsqueeze(1))
-        tail = x[..., -self.dim :]
-        wide = tail.to(self.acc)
-        swapped = wide.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        tail.copy_(torch.addcmul(wide * cos2, swapped, sin2, value=-1 if inverse else 1))
-        return x
+        return rotate_(x, self.cos2, self.sin2, inverse)
+
+
+def rotate_(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`Rope.rotate_` with its interleaved tables cos2, sin2 [T, R] (in the accumulation dtype)."""
+    if x.dim() == 3:
+        cos2, sin2 = cos2.unsqueeze(1), sin2.unsqueeze(1)
+    tail = x[..., -cos2.shape[-1] :]
+    wide = tail.to(cos2.dtype)
+    swapped = wide.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    tail.copy_(torch.addcmul(wide * cos2, swapped, sin2, value=-1 if inverse else 1))
+    return x

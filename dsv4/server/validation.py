@@ -16,6 +16,10 @@ from dsv4.server.errors import ApiError, ClientGone, bad_request
 
 MAX_STOP_SEQUENCES = 16
 MAX_CHOICES = 64  # each choice is a running request
+# Bodies nested deeper are refused before they are decoded. The decoder recurses once per level, so
+# the interpreter's recursion limit bounds it too, but that limit is not ours to rely on: libraries
+# raise it (torch's inductor sets at least 2000 when it compiles, as the startup compile does).
+MAX_JSON_NESTING = 128
 
 # Ranges of every numeric field, enforced where the body is decoded so that nothing out of range
 # reaches the engine, a frame encoder or a kernel. Seeds take torch's int64 range, as vLLM does;
@@ -214,7 +218,26 @@ def decode_json(raw: bytes, body_type: type):
         raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise bad_request(f"request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8") from None
+    if _nesting_exceeds(raw, MAX_JSON_NESTING):
+        raise too_deep()
     return _decode(raw, body_type, "")
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _nesting_exceeds(raw: bytes, limit: int) -> bool:
+    """Whether the JSON text's arrays and objects nest deeper than `limit` (brackets inside strings
+    do not count)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:  # (almost every body: too few to nest that deep)
+        return False
+    depth = 0
+    for bracket in _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS):
+        depth += 1 if bracket in b"[{" else -1
+        if depth > limit:
+            return True
+    return False
 
 
 def decode_part(raw: msgspec.Raw, part_type: type, path: str):
@@ -241,7 +264,7 @@ def _decode(raw, body_type: type, path_prefix: str):
 
 
 def too_deep():
-    return bad_request("request body is nested too deeply", code="invalid_json")
+    return bad_request(f"request body is nested too deeply (at most {MAX_JSON_NESTING} levels)", code="invalid_json")
 
 
 def _too_large(max_bytes: int) -> ApiError:

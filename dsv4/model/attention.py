@@ -84,11 +84,12 @@ class PagedAttention:
         # (`project_inputs`' weights, in its order)
         self.input_weights = (input_major(torch.cat(inputs)), self.q_norm, self.wq_b, self.kv_norm)
 
-    def __call__(self, inputs: AttentionInputs, plan: BatchPlan, rope: Rope,
-                 on_selection: SelectionSink | None = None) -> torch.Tensor:
+    def __call__(self, inputs: AttentionInputs, plan: BatchPlan, rope: Rope, on_selection: SelectionSink | None,
+                 attend) -> torch.Tensor:
         """The layer's projected input (`project_inputs` with `input_weights`) -> [T, hidden]; stores
         this layer's rows of the batch. `rope` rotates at the batch's positions. A CSA layer hands its
-        indexer's inputs and selection to `on_selection` (--verify-indexer)."""
+        indexer's inputs and selection to `on_selection` (--verify-indexer). `attend`:
+        `banded_sink_attention` or its compiled form (the CPU path)."""
         cfg, pools, positions = self.cfg, self.pools, plan.positions
         x, q, kv, qr, projected = inputs
         compressor_inputs = projected[:, self.rest_start :].split(self.rest_widths, dim=-1)
@@ -118,8 +119,8 @@ class PagedAttention:
                 picks = [self._picks(group, index_queries, positions) for group in plan.groups]
                 if on_selection is not None:
                     on_selection(IndexerSelection(self.layer, x, *index_queries, _token_picks(picks, cfg.index_topk)))
-            out = torch.cat([self._attend_decodes(group, q, raw_rows, positions, group_picks) if group.length == 1
-                             else self._attend(group, q, raw_keys, group_picks)
+            out = torch.cat([self._attend_decodes(group, q, raw_rows, positions, group_picks, attend) if group.length == 1
+                             else self._attend(group, q, raw_keys, group_picks, attend)
                              for group, group_picks in zip(plan.groups, picks, strict=True)])
         ring = plan.ring_write
         put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
@@ -152,7 +153,7 @@ class PagedAttention:
             page_table=plan.page_table if compressed else None, ratio=self.ratio, selected=selected,
             rope_dim=cfg.rope_head_dim)
 
-    def _attend(self, group: AttentionGroup, q: torch.Tensor, raw_keys: torch.Tensor, picks) -> torch.Tensor:
+    def _attend(self, group: AttentionGroup, q: torch.Tensor, raw_keys: torch.Tensor, picks, attend) -> torch.Tensor:
         """q [T, H, D] of the whole batch -> attention output [B*L, H, D] of the group's tokens; `picks`
         [B, L, k] the indexer's (CSA layers)."""
         acc = accumulation_dtype(q.dtype)
@@ -173,11 +174,11 @@ class PagedAttention:
         if pad:  # (a copy: avoided when the blocks tile the chunk)
             queries = torch.nn.functional.pad(queries, (0, 0, 0, 0, 0, pad))  # [B, N*Q, H, D]
         queries = queries.unflatten(1, (blocks, block)).to(acc)  # [B, N, Q, H, D]: (query, head) rows in memory order
-        out = self._sink_attention(group, queries, raw, group.band_allowed, picks, pad)  # [B, N, Q, H, D]
+        out = self._sink_attention(group, queries, raw, group.band_allowed, picks, pad, attend)  # [B, N, Q, H, D]
         return out.flatten(1, 2)[:, :length].flatten(0, 1).to(q.dtype)  # [B*L, H, D]
 
     def _attend_decodes(self, group: AttentionGroup, q: torch.Tensor, raw_rows: torch.Tensor, positions: torch.Tensor,
-                        picks) -> torch.Tensor:
+                        picks, attend) -> torch.Tensor:
         """`_attend` for a group of one-token chunks: each token's raw row enters its slot's ring first
         (it replaces position p - W, which the query at p no longer sees), then the query attends over
         the whole ring, rows r <= p that exist, in ring order rather than position order (the same
@@ -189,24 +190,24 @@ class PagedAttention:
         exists = torch.arange(window, device=at.device) <= at.unsqueeze(-1)  # [B, W]: all once p >= W - 1
         ring = self._gather_main_rows(pool, (slots,), exists).to(acc)  # [B, W, D]: each slot's whole ring
         queries = group.rows(q).unsqueeze(1).to(acc)  # [B, 1, 1, H, D]
-        out = self._sink_attention(group, queries, ring.unsqueeze(1), exists.view(group.batch, 1, 1, window), picks, 0)
+        out = self._sink_attention(group, queries, ring.unsqueeze(1), exists.view(group.batch, 1, 1, window), picks, 0,
+                                   attend)
         return out.flatten(0, 2).to(q.dtype)  # [B, H, D]
 
     def _sink_attention(self, group: AttentionGroup, queries: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor,
-                        picks, pad: int) -> torch.Tensor:
+                        picks, pad: int, attend) -> torch.Tensor:
         """queries [B, N, Q, H, D] over their bands raw [B, N, K, D] (raw_allowed [B, N, Q, K]) plus the
         compressed rows the group's queries see (the last block's `pad` queries past the chunk see
-        none) -> [B, N, Q, H, D]."""
+        none) -> [B, N, Q, H, D], through `attend` (`banded_sink_attention`, eager or compiled)."""
         blocks, block = queries.shape[1:3]
-        compressed = compressed_allowed = None
-        if self.compressor is not None:
-            seen = group.compressed[self.ratio]
-            stored = self.pools.compressed_rows(self.layer)
-            compressed = self._gather_main_rows(stored, (seen.pages, seen.page_rows), seen.exists).to(queries.dtype)
-            allowed = seen.visible if picks is None else _picks_mask(picks, seen.pages.shape[1])
-            compressed_allowed = torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
-        return banded_sink_attention(queries, raw, raw_allowed, compressed, compressed_allowed, self.sink,
-                                     self.cfg.head_dim**-0.5)
+        if self.compressor is None or group.compressed[self.ratio].pages.shape[1] == 0:  # no compressed row (yet)
+            return attend(queries, raw, raw_allowed, self.sink)
+        seen = group.compressed[self.ratio]
+        stored = self.pools.compressed_rows(self.layer)
+        compressed = self._gather_main_rows(stored, (seen.pages, seen.page_rows), seen.exists).to(queries.dtype)
+        allowed = seen.visible if picks is None else _picks_mask(picks, seen.pages.shape[1])
+        compressed_allowed = torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
+        return attend(queries, raw, raw_allowed, self.sink, compressed, compressed_allowed)
 
     def _index_queries(self, head_weights: torch.Tensor, qr: torch.Tensor, rope: Rope):
         """head_weights [T, index heads]: the layer input times the indexer's weights_proj."""
@@ -303,14 +304,16 @@ def _token_picks(group_picks: list[torch.Tensor], topk: int) -> torch.Tensor:
                       for picks in group_picks])
 
 
-def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor, compressed, compressed_allowed,
-                          sink: torch.Tensor, scale: float) -> torch.Tensor:
+def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor, sink: torch.Tensor,
+                          compressed: torch.Tensor | None = None, compressed_allowed: torch.Tensor | None = None, *,
+                          scale: float) -> torch.Tensor:
     """Sink attention of query blocks over their own raw-row bands plus the request's compressed rows.
 
-    q [B, N, Q, H, D]; raw [B, N, K, D] with raw_allowed [B, N, Q, K]; compressed [B, C, D] (or None)
-    with compressed_allowed [B, N, Q, C]; sink [H]. Returns [B, N, Q, H, D] in q's dtype, computed as
+    q [B, N, Q, H, D]; raw [B, N, K, D] with raw_allowed [B, N, Q, K]; sink [H]; compressed [B, C, D]
+    (or None) with compressed_allowed [B, N, Q, C]. Returns [B, N, Q, H, D] in q's dtype, computed as
     the reference's `sink_attention` over the union of both key sets (K = V). Queries and heads stay
-    in q's memory order ([T, H, D] rows), so every product is one batched matmul without a copy.
+    in q's memory order ([T, H, D] rows), so every product is one batched matmul without a copy. One
+    of the model's compiled pieces (dsv4/model/compile.py): with and without compressed rows.
     """
     batch, blocks, block, heads, dim = q.shape
     # The softmax over [raw | compressed | sink] without concatenating its parts: exp(logit - max) per
@@ -319,8 +322,6 @@ def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch
     raw_logits = torch.einsum("bnqhd,bnkd->bnqhk", q, raw).mul_(scale).masked_fill_(~raw_allowed.unsqueeze(3), -torch.inf)
     sink = sink.to(q.dtype).view(1, 1, 1, -1, 1)
     peak = torch.maximum(raw_logits.amax(-1, keepdim=True), sink)
-    if compressed is not None and compressed.shape[1] == 0:  # no compressed row exists yet
-        compressed = None
     if compressed is not None:
         compressed_logits = torch.einsum("bnqhd,bcd->bnqhc", q, compressed).mul_(scale)
         compressed_logits.masked_fill_(~compressed_allowed.unsqueeze(3), -torch.inf)

@@ -6,12 +6,16 @@ of a layer's small ops:
   the streams and the MoE's input collapsed from them (4x4 mixing matrices normalised by 20 Sinkhorn
   iterations of row and column sums) and normed;
 - `attention_entry` (dsv4.model.attention): the same mix from the last layer's output to the
-  attention's input, then every projection of that input, the query and raw-row norms and RoPE.
+  attention's input, then every projection of that input, the query and raw-row norms and RoPE;
+- `attend` (dsv4.model.attention.banded_sink_attention, one package with compressed rows and one
+  without): the CPU path's attention of query blocks over their bands (and compressed rows), whose
+  softmax is a dozen elementwise passes over the logits.
 Compiled, each is one call of fused C++ kernels around its matmuls. Ahead of time rather than
 `torch.compile`'s just-in-time form because a call then skips dynamo's guards on every input: in a
 c=1 decode step (small, fp32, in process, alternated runs) the jit-compiled collapse took 207 us a
 call against 411 us eager and saved ~3 ms a step; the mix compiled ahead of time saved 5 ms (32.7 ->
-27.6 ms), and with the attention's entry the pieces take 7.3..9.9 ms of a step against 13.5..21 ms.
+27.6 ms), with the attention's entry the two take 7.3..9.9 ms of a step against 13.5..21 ms, and
+the attention 1.5..2.1 ms against 2.4..3.0 ms (in a 256-token prefill it gains nothing).
 
 Each compiled piece is the eager function exported as it stands: the same math, where only the
 summation order of the fused code may differ, within fp32 rounding. Its token count is symbolic (and
@@ -62,13 +66,15 @@ class Pieces:
 
     mix: Callable  # mhc.mix with the model's constants bound
     attention_entry: Callable  # attention.attention_entry with the model's constants bound
+    attend: Callable  # attention.banded_sink_attention with the model's scale bound
     compiled: bool
 
 
 def eager_pieces(cfg: ModelConfig) -> Pieces:
     constants = _constants(cfg)
     return Pieces(mix=functools.partial(mhc.mix, **constants),
-                  attention_entry=functools.partial(attention.attention_entry, **constants), compiled=False)
+                  attention_entry=functools.partial(attention.attention_entry, **constants),
+                  attend=functools.partial(attention.banded_sink_attention, scale=_scale(cfg)), compiled=False)
 
 
 def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
@@ -93,7 +99,12 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
     finally:
         pool.shutdown(wait=False)
     log.info("compiled pieces ready in %.1f s", time.monotonic() - started)
-    return Pieces(**compiled, compiled=True)
+    attend, attend_compressed = compiled.pop("attend"), compiled.pop("attend_compressed")
+
+    def attend_either(*tensors: torch.Tensor):  # (q, raw, raw_allowed, sink[, compressed, compressed_allowed])
+        return (attend_compressed if len(tensors) == 6 else attend)(*tensors)
+
+    return Pieces(**compiled, attend=attend_either, compiled=True)
 
 
 class _Mix(torch.nn.Module):
@@ -114,7 +125,22 @@ class _AttentionEntry(_Mix):
                                          kv_norm, cos2, sin2, **self.constants)
 
 
-_MODULES = {"mix": _Mix, "attention_entry": _AttentionEntry}
+class _Attend(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.scale = _scale(cfg)
+
+    def forward(self, q, raw, raw_allowed, sink):
+        return attention.banded_sink_attention(q, raw, raw_allowed, sink, scale=self.scale)
+
+
+class _AttendCompressed(_Attend):
+    def forward(self, q, raw, raw_allowed, sink, compressed, compressed_allowed):
+        return attention.banded_sink_attention(q, raw, raw_allowed, sink, compressed, compressed_allowed,
+                                               scale=self.scale)
+
+
+_MODULES = {"mix": _Mix, "attention_entry": _AttentionEntry, "attend": _Attend, "attend_compressed": _AttendCompressed}
 
 
 def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -130,11 +156,28 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
                 torch.zeros(tokens, n, n, dtype=acc, device=device))
     # (every example its own tensor: export would trace two arguments passed as one tensor as one input)
     cos2, sin2 = (torch.zeros(tokens, cfg.rope_head_dim, dtype=acc, device=device) for _ in range(2))
+    # Attention: batch, blocks, block, band and compressed rows each of its own size (export would
+    # take two dims of one example size for one symbol); heads and head_dim are the model's.
+    heads, dim = block.attn.sink.shape[0], cfg.head_dim
+    batch, blocks, queries, band, rows = _ATTEND_EXAMPLE
+    attend = (torch.zeros(batch, blocks, queries, heads, dim, dtype=acc, device=device),
+              torch.zeros(batch, blocks, band, dim, dtype=acc, device=device),
+              torch.ones(batch, blocks, queries, band, dtype=torch.bool, device=device), block.attn.sink)
+    compressed = (torch.zeros(batch, rows, dim, dtype=acc, device=device),
+                  torch.ones(batch, blocks, queries, rows, dtype=torch.bool, device=device))
     return {"mix": (*residual, *block.ffn_hc.weights),
-            "attention_entry": (*residual, *block.attn_hc.weights, *block.attn.input_weights, cos2, sin2)}
+            "attention_entry": (*residual, *block.attn_hc.weights, *block.attn.input_weights, cos2, sin2),
+            "attend": attend, "attend_compressed": (*attend, *compressed)}
+
+
+_ATTEND_EXAMPLE = (2, 3, 5, 7, 11)  # batch B, blocks N, queries per block Q, band K, compressed rows C
 
 
 def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
+    if name.startswith("attend"):
+        b, n, q, k, c = (torch.export.Dim(dim, min=1) for dim in ("batch", "blocks", "block", "band", "compressed"))
+        shapes = [{0: b, 1: n, 2: q}, {0: b, 1: n, 2: k}, {0: b, 1: n, 2: q, 3: k}, None]
+        return shapes + ([{0: b, 1: c}, {0: b, 1: n, 2: q, 3: c}] if name == "attend_compressed" else [])
     tokens = torch.export.Dim("tokens", min=1)
     residual = [{0: tokens}] * 4
     if name == "mix":
@@ -167,6 +210,10 @@ def _load_or_compile(package: Path, name: str, example: tuple[torch.Tensor, ...]
     return piece
 
 
+def _scale(cfg: ModelConfig) -> float:
+    return cfg.head_dim**-0.5
+
+
 def _constants(cfg: ModelConfig) -> dict:
     return {"n": cfg.hc_mult, "sinkhorn_iters": cfg.hc_sinkhorn_iters, "hc_eps": cfg.hc_eps,
             "norm_eps": cfg.rms_norm_eps}
@@ -176,6 +223,6 @@ def _key(cfg: ModelConfig, examples: dict[str, tuple[torch.Tensor, ...]]) -> str
     device = next(iter(examples.values()))[0].device
     isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else torch.cuda.get_device_name(device)
     shapes = {name: [(tuple(t.shape), str(t.dtype)) for t in tensors] for name, tensors in examples.items()}
-    facts = (torch.__version__, isa, device.type, sorted(_constants(cfg).items()), sorted(shapes.items()))
+    facts = (torch.__version__, isa, device.type, sorted(_constants(cfg).items()), _scale(cfg), sorted(shapes.items()))
     sources = b"".join(Path(module.__file__).read_bytes() for module in _SOURCES)
     return hashlib.sha256(repr(facts).encode() + sources).hexdigest()[:16]

@@ -200,9 +200,9 @@ class PagedAttention:
         compressed rows the group's queries see (the last block's `pad` queries past the chunk see
         none) -> [B, N, Q, H, D], through `attend` (`banded_sink_attention`, eager or compiled)."""
         blocks, block = queries.shape[1:3]
-        if self.compressor is None or group.compressed[self.ratio].pages.shape[1] == 0:  # no compressed row (yet)
+        seen = group.compressed[self.ratio] if self.compressor is not None else None
+        if seen is None or seen.pages.shape[1] == 0:  # no compressed row (yet)
             return attend(queries, raw, raw_allowed, self.sink)
-        seen = group.compressed[self.ratio]
         stored = self.pools.compressed_rows(self.layer)
         compressed = self._gather_main_rows(stored, (seen.pages, seen.page_rows), seen.exists).to(queries.dtype)
         allowed = seen.visible if picks is None else _picks_mask(picks, seen.pages.shape[1])

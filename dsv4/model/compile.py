@@ -1,7 +1,7 @@
 """Ahead-of-time compilation (AOTInductor) of the model's pieces made of many tiny ops, once per machine.
 
-Why: on the CPU a decode step is dominated by per-op overhead, not arithmetic. Two pieces cover most
-of a layer's small ops:
+Why: on the CPU a decode step is dominated by per-op overhead, not arithmetic. Three pieces cover
+much of a layer's small ops:
 - `mix` (dsv4.model.mhc): between the attention and the MoE, the attention's output is written into
   the streams and the MoE's input collapsed from them (4x4 mixing matrices normalised by 20 Sinkhorn
   iterations of row and column sums) and normed;
@@ -18,9 +18,10 @@ call against 411 us eager and saved ~3 ms a step; the mix compiled ahead of time
 the attention 1.5..2.1 ms against 2.4..3.0 ms (in a 256-token prefill it gains nothing).
 
 Each compiled piece is the eager function exported as it stands: the same math, where only the
-summation order of the fused code may differ, within fp32 rounding. Its token count is symbolic (and
-the width of the layer's input projection, which differs between window, HCA and CSA layers), so one
-package per piece serves every layer and batch size. Its fused kernels run on one thread
+summation order of the fused code may differ, within fp32 rounding. Its batch sizes are symbolic
+(tokens; the attention's batch, blocks, band and compressed rows; and the width of the layer's input
+projection, which differs between window, HCA and CSA layers), so one package per piece serves every
+layer and batch size. Its fused kernels run on one thread
 (`cpp.threads`): they are small, and decode forwards run on one thread
 (dsv4.engine.runner.PARALLEL_FORWARD_TOKENS); the matmuls inside follow the calling thread's count.
 

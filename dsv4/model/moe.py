@@ -12,6 +12,7 @@ only its own experts and its share of the shared expert; the partial sums meet i
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,69 +34,87 @@ class GroupedMoE:
     def __init__(self, cfg: ModelConfig, layer: int, w, *, shard: ShardPlan, reduce: Reducer | None):
         """`w(name)` fetches this layer's tensor `ffn.<name>` (this rank's part, `shard`), already in the
         dtype its math runs in. `reduce` sums partial results across tensor-parallel ranks (None: TP=1)."""
-        self.cfg, self.reduce = cfg, reduce
-        self.gate = w("gate.weight")
-        self.bias = None if cfg.is_hash_layer(layer) else w("gate.bias")
-        self.tid2eid = w("gate.tid2eid") if cfg.is_hash_layer(layer) else None
-        experts = self.experts = shard.experts
+        self.reduce, self.swiglu_limit = reduce, cfg.swiglu_limit
+        self.experts = shard.experts
+        # Hash layers route by the token id (tid2eid [vocab, k], long); learned layers by score + bias.
+        self.router = (w("gate.weight"), w("gate.tid2eid") if cfg.is_hash_layer(layer) else w("gate.bias"))
         # [E, hidden, 2 * inter]: w1 (gate) columns then w3 (up) columns; [E, inter, hidden]
         self.w13 = input_major(torch.stack([torch.cat([w(f"experts.{e}.w1.weight"), w(f"experts.{e}.w3.weight")])
-                                            for e in experts]))
-        self.w2 = input_major(torch.stack([w(f"experts.{e}.w2.weight") for e in experts]))
-        self.shared = None
+                                            for e in self.experts]))
+        self.w2 = input_major(torch.stack([w(f"experts.{e}.w2.weight") for e in self.experts]))
+        self.shared = (None, None)
         if cfg.n_shared_experts:
             self.shared = (input_major(torch.cat([w("shared_experts.w1.weight"), w("shared_experts.w3.weight")])),
                            input_major(w("shared_experts.w2.weight")))
 
-    def __call__(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (ffn_norm'ed), token_ids [T] -> [T, hidden]."""
-        cfg = self.cfg
-        experts, weights = self._route(x, token_ids)
-        # Stable sort by expert: each token's picks are then summed in ascending expert order. Picks
-        # of other ranks' experts sort last, past the final group, and are dropped.
-        first, count = self.experts.start, len(self.experts)
-        local = experts.flatten() - first
-        mine = (local >= 0) & (local < count)
-        local = torch.where(mine, local, count)
-        order = torch.argsort(local, stable=True)
-        tokens = order // cfg.num_experts_per_tok
-        ends = torch.bincount(local, minlength=count + 1)[:count].cumsum(0).to(torch.int32)
-        outputs = self._experts(x[tokens], ends)  # [picks, hidden]; rows past ends[-1] unset
-        scale, keep = weights.flatten()[order].unsqueeze(-1), mine[order].unsqueeze(-1)
-        out = torch.zeros_like(x, dtype=weights.dtype)
-        out.index_add_(0, tokens, torch.where(keep, outputs.to(scale.dtype) * scale, 0))
-        if self.shared is not None:
-            out = out + self._expert(x, *self.shared).to(out.dtype)
+    def __call__(self, x: torch.Tensor, token_ids: torch.Tensor, dispatch: Callable, combine: Callable) -> torch.Tensor:
+        """x [T, hidden] (ffn_norm'ed), token_ids [T] -> [T, hidden]. `dispatch` and `combine`: the
+        functions below with the model's constants bound, eager or compiled; between them every
+        expert runs over its rows in two grouped matmuls, whatever the split (no loop, no host sync)."""
+        rows, tokens, ends, scale, keep = dispatch(x, token_ids, *self.router)
+        up = _grouped_matmul(rows.to(self.w13.dtype), self.w13, ends)
+        outputs = _grouped_matmul(swiglu(up, self.swiglu_limit), self.w2, ends)  # rows past ends[-1] unset
+        out = combine(outputs, tokens, scale, keep, x, *self.shared)
         if self.reduce is not None:
             out = self.reduce.all_reduce_sum(out, "ffn.out")
         return out.to(x.dtype)
 
-    def _route(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden], token_ids [T] -> (expert ids [T, k], their weights [T, k] in at least fp32)."""
-        cfg = self.cfg
-        scores = _SCORE_FUNCTIONS[cfg.scoring_func](F.linear(x.to(accumulation_dtype(x.dtype)), self.gate))
-        if self.tid2eid is not None:
-            experts = self.tid2eid[token_ids]
-        else:
-            experts = (scores + self.bias).topk(cfg.num_experts_per_tok, dim=-1).indices
-        weights = scores.gather(-1, experts)
-        if cfg.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return experts, weights.mul_(cfg.routed_scaling_factor)
 
-    def _experts(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """x [P, hidden] sorted by expert, rows ends[e-1]..ends[e] for this rank's expert e -> [P, hidden]:
-        each expert over its rows in two grouped matmuls, whatever the split (no loop, no host sync)."""
-        up = _grouped_matmul(x.to(self.w13.dtype), self.w13, ends)
-        return _grouped_matmul(self._swiglu(up), self.w2, ends)
+def dispatch(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor, *, first_expert: int,
+             local_experts: int, top_k: int, scoring_func: str, norm_topk_prob: bool,
+             routed_scaling_factor: float) -> tuple[torch.Tensor, ...]:
+    """Routes x [T, hidden] (token ids [T]; `route`: tid2eid, long, or the gate's bias) and sorts the
+    (token, pick) pairs by this rank's experts first_expert..+local_experts. Returns the picks' rows
+    of x [P, hidden] in expert order, their tokens [P], the groups' ends [local_experts] (int32),
+    their weights [P, 1] in at least fp32 and whether each is this rank's [P, 1]."""
+    experts, weights = _route(x, token_ids, gate, route, top_k, scoring_func, norm_topk_prob, routed_scaling_factor)
+    # Stable sort by expert: each token's picks are then summed in ascending expert order. Picks of
+    # other ranks' experts sort last, past the final group, and are dropped.
+    local = experts.flatten() - first_expert
+    mine = (local >= 0) & (local < local_experts)
+    local = torch.where(mine, local, local_experts)
+    order = torch.argsort(local, stable=True)
+    tokens = order // top_k
+    # the ends from the sorted ids: a static shape (bincount's depends on the largest id)
+    ends = torch.searchsorted(local[order], torch.arange(local_experts, device=x.device), right=True)
+    return x[tokens], tokens, ends.to(torch.int32), weights.flatten()[order].unsqueeze(-1), mine[order].unsqueeze(-1)
 
-    def _expert(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        return linear(self._swiglu(linear(x, w13)), w2)
 
-    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        limit = self.cfg.swiglu_limit
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+def combine(outputs: torch.Tensor, tokens: torch.Tensor, scale: torch.Tensor, keep: torch.Tensor, x: torch.Tensor,
+            shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, *, swiglu_limit: float) -> torch.Tensor:
+    """The experts' outputs [P, hidden] (in `dispatch`'s order) weighted and summed per token, plus the
+    shared expert over x [T, hidden]: this rank's share of the MoE's output [T, hidden] in at least fp32."""
+    out = torch.zeros_like(x, dtype=scale.dtype)
+    out.index_add_(0, tokens, torch.where(keep, outputs.to(scale.dtype) * scale, 0))
+    if shared_w13 is not None:
+        out = out + linear(swiglu(linear(x, shared_w13), swiglu_limit), shared_w2).to(out.dtype)
+    return out
+
+
+def _route(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor, top_k: int,
+           scoring_func: str, norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [T, k], their weights [T, k] in at least fp32)."""
+    scores = _SCORE_FUNCTIONS[scoring_func](F.linear(x.to(accumulation_dtype(x.dtype)), gate))
+    if route.dtype == torch.long:
+        experts = route[token_ids]
+    else:
+        experts = (scores + route).topk(top_k, dim=-1).indices
+    weights = scores.gather(-1, experts)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return experts, weights * routed_scaling_factor
+
+
+def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def dispatch_constants(cfg: ModelConfig, experts: range) -> dict:
+    """`dispatch`'s constants for a rank that runs `experts`."""
+    return {"first_expert": experts.start, "local_experts": len(experts), "top_k": cfg.num_experts_per_tok,
+            "scoring_func": cfg.scoring_func, "norm_topk_prob": cfg.norm_topk_prob,
+            "routed_scaling_factor": cfg.routed_scaling_factor}
 
 
 def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ layer and batch size. Its fused kernels run on one thread
 
 Packages are kept in `cache` under a key of everything the code depends on (torch's version, the
 CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, and the source of the
-modules that define the math), so a restart on the same machine loads in a fraction of a second.
+modules that define the math), so a restart on the same machine loads them (3.7 s for `small`'s seven packages).
 Compiling or loading is bounded by `timeout`: past it, or on any failure, the model serves eagerly
 and says so (a slow compiler never keeps a server from starting; a compile that finishes late still
 fills the cache for the next start).

@@ -12,7 +12,8 @@ much of a layer's small ops:
   softmax is a dozen elementwise passes over the logits;
 - `moe_combine` (dsv4.model.moe): the MoE's weighted sum back plus the shared expert, after the
   grouped matmuls, which stay eager (torch's export cannot trace `grouped_mm` in fp32 on the CPU),
-  as does the routing before them (see compile_pieces).
+  as does the routing before them (dsv4.model.moe.GroupedMoE: compiled, a hash layer's routing
+  once grouped its picks wrongly).
 Compiled, each is one call of fused C++ kernels around its matmuls. Ahead of time rather than
 `torch.compile`'s just-in-time form because a call then skips dynamo's guards on every input: in a
 c=1 decode step (small, fp32, in process, alternated runs) the jit-compiled collapse took 207 us a
@@ -76,17 +77,15 @@ class Pieces:
     mix: Callable  # mhc.mix with the model's constants bound
     attention_entry: Callable  # attention.attention_entry with the model's constants bound
     attend: Callable  # attention.banded_sink_attention with the model's scale bound
-    moe_dispatch: Callable  # moe.dispatch with the model's constants and this rank's experts bound
     moe_combine: Callable  # moe.combine with the model's swiglu limit bound
     compiled: bool
 
 
-def eager_pieces(cfg: ModelConfig, experts: range) -> Pieces:
+def eager_pieces(cfg: ModelConfig) -> Pieces:
     constants = _constants(cfg)
     return Pieces(mix=functools.partial(mhc.mix, **constants),
                   attention_entry=functools.partial(attention.attention_entry, **constants),
                   attend=functools.partial(attention.banded_sink_attention, scale=_scale(cfg)),
-                  moe_dispatch=functools.partial(moe.dispatch, **moe.dispatch_constants(cfg, experts)),
                   moe_combine=functools.partial(moe.combine, swiglu_limit=cfg.swiglu_limit), compiled=False)
 
 
@@ -94,8 +93,7 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
     """`model`'s pieces compiled (or loaded from `cache`), for its weights' shapes and dtypes; its eager
     pieces if that takes over `timeout` s or fails."""
     examples = _examples(model)
-    experts = model.blocks[0].ffn.experts
-    key = _key(model.cfg, experts, examples)
+    key = _key(model.cfg, examples)
     packages = {name: cache / f"{name}-{key}.pt2" for name in examples}
     started = time.monotonic()
     action = "loading" if all(path.exists() for path in packages.values()) else "compiling (once per machine)"
@@ -103,14 +101,13 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
              "--disable-compile to skip)", action, ", ".join(packages), cache, timeout)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-compile")
     try:
-        compiled = pool.submit(_load_or_compile_all, packages, examples, model.cfg, experts).result(
-            timeout=timeout)
+        compiled = pool.submit(_load_or_compile_all, packages, examples, model.cfg).result(timeout=timeout)
     except FutureTimeout:
         log.warning("compiling did not finish within %.0f s: serving eagerly", timeout)
-        return eager_pieces(model.cfg, experts)
+        return eager_pieces(model.cfg)
     except Exception as e:  # noqa: BLE001 -- any compiler failure means: serve eagerly, and say why
         log.warning("compiling failed (%s: %s): serving eagerly", type(e).__name__, e)
-        return eager_pieces(model.cfg, experts)
+        return eager_pieces(model.cfg)
     finally:
         pool.shutdown(wait=False)
     log.info("compiled pieces ready in %.1f s", time.monotonic() - started)
@@ -119,11 +116,7 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
     def attend_either(*tensors: torch.Tensor):  # (q, raw, raw_allowed, sink[, compressed, compressed_allowed])
         return (attend_compressed if len(tensors) == 6 else attend)(*tensors)
 
-    # The MoE's dispatch stays eager: compiled (one package per routing kind), a hash layer's grouped
-    # its picks wrongly in one standalone run on dsv4.tiny's random weights (logits off by 2.7), a
-    # failure the tests did not reproduce and whose cause is not known yet.
-    return Pieces(**compiled, attend=attend_either, moe_dispatch=eager_pieces(model.cfg, experts).moe_dispatch,
-                  compiled=True)
+    return Pieces(**compiled, attend=attend_either, compiled=True)
 
 
 class _Mix(torch.nn.Module):
@@ -228,13 +221,11 @@ def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
     return [*residual, None, None, None, None, {1: width}, None, None, None, {0: tokens}, {0: tokens}]
 
 
-def _load_or_compile_all(packages: dict[str, Path], examples: dict[str, tuple], cfg: ModelConfig,
-                         experts: range) -> dict[str, Callable]:
-    return {name: _load_or_compile(path, name, examples[name], cfg, experts) for name, path in packages.items()}
+def _load_or_compile_all(packages: dict[str, Path], examples: dict[str, tuple], cfg: ModelConfig) -> dict[str, Callable]:
+    return {name: _load_or_compile(path, name, examples[name], cfg) for name, path in packages.items()}
 
 
-def _load_or_compile(package: Path, name: str, example: tuple[torch.Tensor, ...], cfg: ModelConfig,
-                     experts: range) -> Callable:
+def _load_or_compile(package: Path, name: str, example: tuple[torch.Tensor, ...], cfg: ModelConfig) -> Callable:
     if not package.exists():
         package.parent.mkdir(parents=True, exist_ok=True)
         program = torch.export.export(_MODULES[name](cfg), example, dynamic_shapes=_dynamic_shapes(name, example))
@@ -267,12 +258,12 @@ def _constants(cfg: ModelConfig) -> dict:
             "norm_eps": cfg.rms_norm_eps}
 
 
-def _key(cfg: ModelConfig, experts: range, examples: dict[str, tuple[torch.Tensor, ...]]) -> str:
+def _key(cfg: ModelConfig, examples: dict[str, tuple[torch.Tensor, ...]]) -> str:
     device = next(iter(examples.values()))[0].device
     isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else torch.cuda.get_device_name(device)
     shapes = {name: [None if t is None else (tuple(t.shape), str(t.dtype)) for t in tensors]  # None: no shared expert
               for name, tensors in examples.items()}
     facts = (torch.__version__, isa, device.type, sorted(_constants(cfg).items()), _scale(cfg),
-             sorted(moe.dispatch_constants(cfg, experts).items()), cfg.swiglu_limit, sorted(shapes.items()))
+             cfg.swiglu_limit, sorted(shapes.items()))
     sources = b"".join(Path(module.__file__).read_bytes() for module in _SOURCES)
     return hashlib.sha256(repr(facts).encode() + sources).hexdigest()[:16]

@@ -10,32 +10,31 @@ much of a layer's small ops:
 - `attend` (dsv4.model.attention.banded_sink_attention, one package with compressed rows and one
   without): the CPU path's attention of query blocks over their bands (and compressed rows), whose
   softmax is a dozen elementwise passes over the logits;
-- `moe_combine` (dsv4.model.moe): the MoE's weighted sum back plus the shared expert, after the
-  grouped matmuls, which stay eager (torch's export cannot trace `grouped_mm` in fp32 on the CPU),
-  as does the routing before them (dsv4.model.moe.GroupedMoE: compiled, a hash layer's routing
-  once grouped its picks wrongly).
+- `moe_dispatch` and `moe_combine` (dsv4.model.moe, one dispatch package per routing kind): the
+  MoE's routing and sort by expert, and its weighted sum back plus the shared expert, around the
+  grouped matmuls, which stay eager (torch's export cannot trace `grouped_mm` in fp32 on the CPU).
 Compiled, each is one call of fused C++ kernels around its matmuls. Ahead of time rather than
 `torch.compile`'s just-in-time form because a call then skips dynamo's guards on every input: in a
 c=1 decode step (small, fp32, in process, alternated runs) the jit-compiled collapse took 207 us a
 call against 411 us eager and saved ~3 ms a step; the mix compiled ahead of time saved 5 ms (32.7 ->
 27.6 ms), with the attention's entry the two take 7.3..9.9 ms of a step against 13.5..21 ms, and
 the attention 1.5..2.1 ms against 2.4..3.0 ms (in a 256-token prefill it gains nothing); a layer's MoE
-combine 75 us against 117 us eager (one token, one layer in a loop).
+dispatch 44 us against 103 us eager and its combine 75 against 117 us (one token, one layer in a loop).
 A package is called through its runner, not its Python wrapper (see `_load_or_compile`): the pieces'
-share of a c=1 decode step of `small` fell by ~1.3 ms more (mix 1.21 -> 0.75 ms a step, the attention
-1.96 -> 1.47).
+share of a c=1 decode step of `small` fell by ~1.3 ms more (mix 1.21 -> 0.75 ms a step, the MoE's
+dispatch 0.85 -> 0.56, the attention 1.96 -> 1.47).
 
 Each compiled piece is the eager function exported as it stands: the same math, where only the
 summation order of the fused code may differ, within fp32 rounding. Its batch sizes are symbolic
-(tokens; the MoE's picks and tokens; the attention's batch, blocks, band and compressed rows; and the width of the layer's input
+(tokens; the MoE's picks; the attention's batch, blocks, band and compressed rows; and the width of the layer's input
 projection, which differs between window, HCA and CSA layers), so one package per piece serves every
 layer and batch size. Its fused kernels run on one thread
 (`cpp.threads`): they are small, and decode forwards run on one thread
 (dsv4.engine.runner.PARALLEL_FORWARD_TOKENS); the matmuls inside follow the calling thread's count.
 
 Packages are kept in `cache` under a key of everything the code depends on (torch's version, the
-CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, and the source of the
-modules that define the math), so a restart on the same machine loads them (3.7 s for `small`'s packages).
+CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, and the source of this
+module and of those that define the math), so a restart on the same machine loads them (3.7 s for `small`'s seven packages).
 Compiling or loading is bounded by `timeout`: past it, or on any failure, the model serves eagerly
 and says so (a slow compiler never keeps a server from starting; a compile that finishes late still
 fills the cache for the next start).
@@ -77,15 +76,17 @@ class Pieces:
     mix: Callable  # mhc.mix with the model's constants bound
     attention_entry: Callable  # attention.attention_entry with the model's constants bound
     attend: Callable  # attention.banded_sink_attention with the model's scale bound
+    moe_dispatch: Callable  # moe.dispatch with the model's constants and this rank's experts bound
     moe_combine: Callable  # moe.combine with the model's swiglu limit bound
     compiled: bool
 
 
-def eager_pieces(cfg: ModelConfig) -> Pieces:
+def eager_pieces(cfg: ModelConfig, experts: range) -> Pieces:
     constants = _constants(cfg)
     return Pieces(mix=functools.partial(mhc.mix, **constants),
                   attention_entry=functools.partial(attention.attention_entry, **constants),
                   attend=functools.partial(attention.banded_sink_attention, scale=_scale(cfg)),
+                  moe_dispatch=functools.partial(moe.dispatch, **moe.dispatch_constants(cfg, experts)),
                   moe_combine=functools.partial(moe.combine, swiglu_limit=cfg.swiglu_limit), compiled=False)
 
 
@@ -93,7 +94,8 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
     """`model`'s pieces compiled (or loaded from `cache`), for its weights' shapes and dtypes; its eager
     pieces if that takes over `timeout` s or fails."""
     examples = _examples(model)
-    key = _key(model.cfg, examples)
+    experts = model.blocks[0].ffn.experts
+    key = _key(model.cfg, experts, examples)
     packages = {name: cache / f"{name}-{key}.pt2" for name in examples}
     started = time.monotonic()
     action = "loading" if all(path.exists() for path in packages.values()) else "compiling (once per machine)"
@@ -101,13 +103,14 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
              "--disable-compile to skip)", action, ", ".join(packages), cache, timeout)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-compile")
     try:
-        compiled = pool.submit(_load_or_compile_all, packages, examples, model.cfg).result(timeout=timeout)
+        compiled = pool.submit(_load_or_compile_all, packages, examples, model.cfg, experts).result(
+            timeout=timeout)
     except FutureTimeout:
         log.warning("compiling did not finish within %.0f s: serving eagerly", timeout)
-        return eager_pieces(model.cfg)
+        return eager_pieces(model.cfg, experts)
     except Exception as e:  # noqa: BLE001 -- any compiler failure means: serve eagerly, and say why
         log.warning("compiling failed (%s: %s): serving eagerly", type(e).__name__, e)
-        return eager_pieces(model.cfg)
+        return eager_pieces(model.cfg, experts)
     finally:
         pool.shutdown(wait=False)
     log.info("compiled pieces ready in %.1f s", time.monotonic() - started)
@@ -116,7 +119,14 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
     def attend_either(*tensors: torch.Tensor):  # (q, raw, raw_allowed, sink[, compressed, compressed_allowed])
         return (attend_compressed if len(tensors) == 6 else attend)(*tensors)
 
-    return Pieces(**compiled, attend=attend_either, compiled=True)
+    # one package per routing kind the model has (a model may have no hash layers, or only those)
+    dispatch = {kind: compiled.pop(f"moe_dispatch_{kind}") for kind in ("hash", "scored")
+                if f"moe_dispatch_{kind}" in compiled}
+
+    def dispatch_either(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor):
+        return dispatch["hash" if route.dtype == torch.long else "scored"](x, token_ids, gate, route)
+
+    return Pieces(**compiled, attend=attend_either, moe_dispatch=dispatch_either, compiled=True)
 
 
 class _Mix(torch.nn.Module):
@@ -150,6 +160,15 @@ class _AttendCompressed(_Attend):
     def forward(self, q, raw, raw_allowed, sink, compressed, compressed_allowed):
         return attention.banded_sink_attention(q, raw, raw_allowed, sink, compressed, compressed_allowed,
                                                scale=self.scale)
+
+
+class _MoEDispatch(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, experts: range):
+        super().__init__()
+        self.constants = moe.dispatch_constants(cfg, experts)
+
+    def forward(self, x, token_ids, gate, route):
+        return moe.dispatch(x, token_ids, gate, route, **self.constants)
 
 
 class _MoECombine(torch.nn.Module):
@@ -190,20 +209,30 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
     examples = {"mix": (*residual, *block.ffn_hc.weights),
                 "attention_entry": (*residual, *block.attn_hc.weights, *block.attn.input_weights, cos2, sin2),
                 "attend": attend, "attend_compressed": (*attend, *compressed)}
-    # The MoE's combine at two tokens and their k picks each
+    # The MoE at two tokens (distinct ids: export would specialise on equal ones) and their k picks each
     ffn, picks = block.ffn, tokens * cfg.num_experts_per_tok
+    moe_input = (torch.zeros(tokens, hidden, dtype=dtype, device=device), torch.arange(tokens, device=device))
+    for b in model.blocks:
+        kind = "hash" if b.ffn.router[1].dtype == torch.long else "scored"
+        examples.setdefault(f"moe_dispatch_{kind}", (*moe_input, *b.ffn.router))
     examples["moe_combine"] = (torch.zeros(picks, hidden, dtype=dtype, device=device),
                                torch.zeros(picks, dtype=torch.long, device=device),
                                torch.zeros(picks, 1, dtype=acc, device=device),
                                torch.ones(picks, 1, dtype=torch.bool, device=device),
                                torch.zeros(tokens, hidden, dtype=dtype, device=device), *ffn.shared)
-    return examples
+    # A package's kernels index every input with the strides its example had, unchecked, and `piece`
+    # passes contiguous tensors: an example laid out otherwise (a weight that is a view, as dsv4.tiny's
+    # tid2eid is) compiles kernels that read the served tensor's elements from the wrong places.
+    return {name: tuple(None if t is None else t.contiguous() for t in tensors) for name, tensors in examples.items()}
 
 
 _ATTEND_EXAMPLE = (2, 3, 5, 7, 11)  # batch B, blocks N, queries per block Q, band K, compressed rows C
 
 
 def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
+    if name.startswith("moe_dispatch"):
+        tokens = torch.export.Dim("tokens", min=1)
+        return [{0: tokens}, {0: tokens}, None, None]
     if name == "moe_combine":  # picks = tokens * k, which export cannot express: a symbol of its own
         picks, tokens = torch.export.Dim("picks", min=1), torch.export.Dim("tokens", min=1)
         return [{0: picks}, {0: picks}, {0: picks}, {0: picks}, {0: tokens}, None, None]
@@ -221,14 +250,17 @@ def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
     return [*residual, None, None, None, None, {1: width}, None, None, None, {0: tokens}, {0: tokens}]
 
 
-def _load_or_compile_all(packages: dict[str, Path], examples: dict[str, tuple], cfg: ModelConfig) -> dict[str, Callable]:
-    return {name: _load_or_compile(path, name, examples[name], cfg) for name, path in packages.items()}
+def _load_or_compile_all(packages: dict[str, Path], examples: dict[str, tuple], cfg: ModelConfig,
+                         experts: range) -> dict[str, Callable]:
+    return {name: _load_or_compile(path, name, examples[name], cfg, experts) for name, path in packages.items()}
 
 
-def _load_or_compile(package: Path, name: str, example: tuple[torch.Tensor, ...], cfg: ModelConfig) -> Callable:
+def _load_or_compile(package: Path, name: str, example: tuple[torch.Tensor, ...], cfg: ModelConfig,
+                     experts: range) -> Callable:
     if not package.exists():
         package.parent.mkdir(parents=True, exist_ok=True)
-        program = torch.export.export(_MODULES[name](cfg), example, dynamic_shapes=_dynamic_shapes(name, example))
+        module = _MoEDispatch(cfg, experts) if name.startswith("moe_dispatch") else _MODULES[name](cfg)
+        program = torch.export.export(module, example, dynamic_shapes=_dynamic_shapes(name, example))
         partial = package.with_name(f"{package.stem}.{os.getpid()}.partial.pt2")
         configs = {"cpp.threads": 1} if example[0].device.type == "cpu" else {}
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=configs)
@@ -241,7 +273,7 @@ def _load_or_compile(package: Path, name: str, example: tuple[torch.Tensor, ...]
     returns_one = pytree.treespec_loads(loader.get_call_spec()[1]).is_leaf()
 
     def piece(*tensors: torch.Tensor | None):
-        # The package's kernels index their inputs as the contiguous examples were laid out; they
+        # The package's kernels index their inputs as the (contiguous) examples were laid out; they
         # do not check strides (an expanded tensor read as whole rows reads garbage).
         outputs = loader.boxed_run([t.contiguous() for t in tensors if t is not None])
         return outputs[0] if returns_one else tuple(outputs)
@@ -258,12 +290,13 @@ def _constants(cfg: ModelConfig) -> dict:
             "norm_eps": cfg.rms_norm_eps}
 
 
-def _key(cfg: ModelConfig, examples: dict[str, tuple[torch.Tensor, ...]]) -> str:
+def _key(cfg: ModelConfig, experts: range, examples: dict[str, tuple[torch.Tensor, ...]]) -> str:
     device = next(iter(examples.values()))[0].device
     isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else torch.cuda.get_device_name(device)
     shapes = {name: [None if t is None else (tuple(t.shape), str(t.dtype)) for t in tensors]  # None: no shared expert
               for name, tensors in examples.items()}
     facts = (torch.__version__, isa, device.type, sorted(_constants(cfg).items()), _scale(cfg),
-             cfg.swiglu_limit, sorted(shapes.items()))
-    sources = b"".join(Path(module.__file__).read_bytes() for module in _SOURCES)
+             sorted(moe.dispatch_constants(cfg, experts).items()), cfg.swiglu_limit, sorted(shapes.items()))
+    # this module too: how a piece is exported (its wrapper, examples, symbolic sizes) is part of it
+    sources = b"".join(Path(path).read_bytes() for path in (__file__, *(module.__file__ for module in _SOURCES)))
     return hashlib.sha256(repr(facts).encode() + sources).hexdigest()[:16]

@@ -37,8 +37,8 @@ class PagedModel:
         self.cfg, self.dtype = cfg, dtype
         # The implementations of the many-small-op pieces: eager until the runner swaps in compiled
         # ones, built for this model's shapes (dsv4/model/compile.py).
-        self.pieces: Pieces = eager_pieces(cfg)
         shard = shard or ShardPlan(cfg)
+        self.pieces: Pieces = eager_pieces(cfg, shard.experts)
         self.kernels = pools.device.type == "cuda" if kernels is None else kernels
         w = _WeightReader(weights, dtype, accumulation_dtype(dtype), pools.device)
         self.embed, self.head, self.norm = w("embed.weight"), input_major(w("head.weight")), w("norm.weight")
@@ -86,7 +86,7 @@ class _Block:
                                                               *self.attn.input_weights, rope.cos2, rope.sin2)
         y = self.attn(AttentionInputs(*inputs), plan, rope, on_selection, pieces.attend)
         streams, x, post, comb = pieces.mix(streams, y, post, comb, *self.ffn_hc.weights)
-        return Residual(streams, self.ffn(x, plan.token_ids, pieces.moe_combine), post, comb)
+        return Residual(streams, self.ffn(x, plan.token_ids, pieces.moe_dispatch, pieces.moe_combine), post, comb)
 
 
 class _WeightReader:

@@ -53,7 +53,7 @@ COPY_WEIGHT = 3.0
 INDEXER_KL_WEIGHT = 0.1
 
 
-def demo_config(vocab_size: int, hidden_size: int = 128) -> ModelConfig:
+def demo_config(vocab_size: int, hidden_size: int) -> ModelConfig:
     # head_dim 512, rope 64, index_head_dim 128 and window 128 are the real ones: the engine's cache
     # row formats depend on them. Everything else is as small as still learns to copy arguments.
     return ModelConfig(

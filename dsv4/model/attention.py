@@ -85,11 +85,12 @@ class PagedAttention:
         self.input_weights = (input_major(torch.cat(inputs)), self.q_norm, self.wq_b, self.kv_norm)
 
     def __call__(self, inputs: AttentionInputs, plan: BatchPlan, rope: Rope, on_selection: SelectionSink | None,
-                 attend) -> torch.Tensor:
+                 attend, exit_projection) -> torch.Tensor:
         """The layer's projected input (`project_inputs` with `input_weights`) -> [T, hidden]; stores
         this layer's rows of the batch. `rope` rotates at the batch's positions. A CSA layer hands its
         indexer's inputs and selection to `on_selection` (--verify-indexer). `attend`:
-        `banded_sink_attention` or its compiled form (the CPU path)."""
+        `banded_sink_attention` (the CPU path) and `exit_projection`: `attention_exit`, each eager or
+        compiled."""
         cfg, pools, positions = self.cfg, self.pools, plan.positions
         x, q, kv, qr, projected = inputs
         compressor_inputs = projected[:, self.rest_start :].split(self.rest_widths, dim=-1)
@@ -125,10 +126,7 @@ class PagedAttention:
         ring = plan.ring_write
         put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
 
-        out = rope.rotate_(out, inverse=True)  # [T, H, D]
-        grouped = out.flatten(1).unflatten(-1, (self.o_groups, -1))  # [T, G, heads/G * D]
-        low_rank = torch.einsum("tgi,gri->tgr", grouped.to(self.wo_a.dtype), self.wo_a).flatten(1)
-        out = linear(low_rank, self.wo_b)
+        out = exit_projection(out, rope.cos2, rope.sin2, self.wo_a, self.wo_b)
         return out if self.reduce is None else self.reduce.all_reduce_sum(out, "attn.out")  # this rank's groups' share
 
     def _attend_with_kernels(self, x: torch.Tensor, q: torch.Tensor, raw_rows: torch.Tensor, index_queries,
@@ -272,6 +270,18 @@ def attention_entry(streams: torch.Tensor, output: torch.Tensor, post: torch.Ten
     streams, x, post, comb = mix(streams, output, post, comb, fn, base, scale, norm, n=n,
                                  sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
     return (streams, post, comb, *project_inputs(x, w_input, q_norm, wq_b, kv_norm, cos2, sin2, eps=norm_eps))
+
+
+def attention_exit(out: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, wo_a: torch.Tensor,
+                   wo_b: torch.Tensor) -> torch.Tensor:
+    """The attention's output [T, H, D] (ours to overwrite) -> the layer's output [T, hidden]: the
+    rotation undone at the tokens' positions (tables cos2, sin2 [T, R]), then the grouped low-rank
+    projection (wo_a [G, o_lora_rank, heads/G * D]) and wo_b. One piece: compiled, the rotation's
+    passes and both products are one call."""
+    out = rotate_(out, cos2, sin2, inverse=True)
+    grouped = out.flatten(1).unflatten(-1, (wo_a.shape[0], -1))  # [T, G, heads/G * D]
+    low_rank = torch.einsum("tgi,gri->tgr", grouped.to(wo_a.dtype), wo_a).flatten(1)
+    return linear(low_rank, wo_b)
 
 
 def _indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ much of a layer's small ops:
 - `attend` (dsv4.model.attention.banded_sink_attention, one package with compressed rows and one
   without): the CPU path's attention of query blocks over their bands (and compressed rows), whose
   softmax is a dozen elementwise passes over the logits;
+- `attention_exit` (dsv4.model.attention): the attention output's inverse RoPE and its grouped
+  low-rank output projection (wo_a, wo_b);
 - `moe_dispatch` and `moe_combine` (dsv4.model.moe, one dispatch package per routing kind): the
   MoE's routing and sort by expert, and its weighted sum back plus the shared expert, around the
   grouped matmuls, which stay eager (torch's export cannot trace `grouped_mm` in fp32 on the CPU).
@@ -76,6 +78,7 @@ class Pieces:
     mix: Callable  # mhc.mix with the model's constants bound
     attention_entry: Callable  # attention.attention_entry with the model's constants bound
     attend: Callable  # attention.banded_sink_attention with the model's scale bound
+    attention_exit: Callable  # attention.attention_exit
     moe_dispatch: Callable  # moe.dispatch with the model's constants and this rank's experts bound
     moe_combine: Callable  # moe.combine with the model's swiglu limit bound
     compiled: bool
@@ -86,6 +89,7 @@ def eager_pieces(cfg: ModelConfig, experts: range) -> Pieces:
     return Pieces(mix=functools.partial(mhc.mix, **constants),
                   attention_entry=functools.partial(attention.attention_entry, **constants),
                   attend=functools.partial(attention.banded_sink_attention, scale=_scale(cfg)),
+                  attention_exit=attention.attention_exit,
                   moe_dispatch=functools.partial(moe.dispatch, **moe.dispatch_constants(cfg, experts)),
                   moe_combine=functools.partial(moe.combine, swiglu_limit=cfg.swiglu_limit), compiled=False)
 
@@ -162,6 +166,14 @@ class _AttendCompressed(_Attend):
                                                scale=self.scale)
 
 
+class _AttentionExit(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+
+    def forward(self, out, cos2, sin2, wo_a, wo_b):
+        return attention.attention_exit(out, cos2, sin2, wo_a, wo_b)
+
+
 class _MoEDispatch(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, experts: range):
         super().__init__()
@@ -181,7 +193,7 @@ class _MoECombine(torch.nn.Module):
 
 
 _MODULES = {"mix": _Mix, "attention_entry": _AttentionEntry, "attend": _Attend, "attend_compressed": _AttendCompressed,
-            "moe_combine": _MoECombine}
+            "attention_exit": _AttentionExit, "moe_combine": _MoECombine}
 
 
 def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -208,7 +220,9 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
                   torch.ones(batch, blocks, queries, rows, dtype=torch.bool, device=device))
     examples = {"mix": (*residual, *block.ffn_hc.weights),
                 "attention_entry": (*residual, *block.attn_hc.weights, *block.attn.input_weights, cos2, sin2),
-                "attend": attend, "attend_compressed": (*attend, *compressed)}
+                "attend": attend, "attend_compressed": (*attend, *compressed),
+                "attention_exit": (torch.zeros(tokens, heads, dim, dtype=dtype, device=device), cos2.clone(), sin2.clone(),
+                                   block.attn.wo_a, block.attn.wo_b)}
     # The MoE at two tokens (distinct ids: export would specialise on equal ones) and their k picks each
     ffn, picks = block.ffn, tokens * cfg.num_experts_per_tok
     moe_input = (torch.zeros(tokens, hidden, dtype=dtype, device=device), torch.arange(tokens, device=device))
@@ -241,6 +255,8 @@ def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
         shapes = [{0: b, 1: n, 2: q}, {0: b, 1: n, 2: k}, {0: b, 1: n, 2: q, 3: k}, None]
         return shapes + ([{0: b, 1: c}, {0: b, 1: n, 2: q, 3: c}] if name == "attend_compressed" else [])
     tokens = torch.export.Dim("tokens", min=1)
+    if name == "attention_exit":
+        return [{0: tokens}, {0: tokens}, {0: tokens}, None, None]
     residual = [{0: tokens}] * 4
     if name == "mix":
         return [*residual, None, None, None, None]

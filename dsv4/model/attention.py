@@ -56,12 +56,12 @@ class PagedAttention:
         """`w(name)` fetches this layer's tensor `attn.<name>` (this rank's part, `shard`), already in the
         dtype its math runs in. `reduce` sums partial results across tensor-parallel ranks (None: TP=1)."""
         self.cfg, self.layer, self.pools, self.kernels = cfg, layer, pools, kernels
-        self.o_groups, self.index_heads, self.reduce = shard.o_groups, shard.index_heads, reduce
+        self.index_heads, self.reduce = shard.index_heads, reduce
         self.q_norm, self.wq_b, self.kv_norm = w("q_norm.weight"), input_major(w("wq_b.weight")), w("kv_norm.weight")
         # [G, o_lora_rank, heads/G * head_dim], the checkpoint's layout, unlike the other projections:
         # the grouped product's narrow outputs read it ~2x faster at one token (fp32, one thread:
         # 320 vs 670 us for a [4, 2048, 128] group) and no slower at more (measured up to 128 tokens).
-        self.wo_a = w("wo_a.weight").unflatten(0, (self.o_groups, -1)).contiguous()
+        self.wo_a = w("wo_a.weight").unflatten(0, (shard.o_groups, -1)).contiguous()
         self.wo_b, self.sink = input_major(w("wo_b.weight")), w("attn_sink")
         kind = cfg.layer_kind(layer)
         self.ratio = cfg.compress_ratios[layer]

@@ -154,9 +154,7 @@ def build_plan(cfg: ModelConfig, batch: ForwardBatch, page_size: int) -> BatchPl
 
 def _tensor(values) -> torch.Tensor:
     """An array (int64 or bool) or a list of ints as a torch tensor; a contiguous array's memory is shared."""
-    array = values if isinstance(values, np.ndarray) else np.array(values, dtype=np.int64)
-    if not (array.flags.c_contiguous and array.flags.writeable):  # (a view of a broadcast, a strided slice)
-        array = array.copy()
+    array = np.ascontiguousarray(values) if isinstance(values, np.ndarray) else np.array(values, dtype=np.int64)
     return torch.from_numpy(array)
 
 
@@ -369,7 +367,7 @@ def _compressed_rows(chunks: _Chunks, positions: np.ndarray, ratio: int) -> Comp
     pages, page_rows = chunks.page_coordinates(owner, rows * ratio, ratio)
     return CompressedRows(
         pages=_tensor(pages),
-        page_rows=_tensor(np.broadcast_to(page_rows, pages.shape)),
+        page_rows=_tensor(page_rows).expand(pages.shape),
         exists=_tensor(rows < (chunks.end // ratio)[:, None]),
         visible=_tensor(rows < ((positions + 1) // ratio)[..., None]),
     )

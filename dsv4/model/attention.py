@@ -19,7 +19,7 @@ reading the pools directly; the torch code above is the CPU path.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -34,6 +34,9 @@ from .ops import Rope, accumulation_dtype, input_major, linear, rms_norm, rotate
 from .plan import AttentionGroup, BatchPlan
 from .selection import IndexerSelection, SelectionSink
 from .sharding import Reducer, ShardPlan
+
+if TYPE_CHECKING:
+    from .compile import Pieces
 
 _PLAIN_ROW_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -85,12 +88,12 @@ class PagedAttention:
         self.input_weights = (input_major(torch.cat(inputs)), self.q_norm, self.wq_b, self.kv_norm)
 
     def __call__(self, inputs: AttentionInputs, plan: BatchPlan, rope: Rope, on_selection: SelectionSink | None,
-                 attend, exit_projection) -> torch.Tensor:
+                 pieces: Pieces) -> torch.Tensor:
         """The layer's projected input (`project_inputs` with `input_weights`) -> [T, hidden]; stores
         this layer's rows of the batch. `rope` rotates at the batch's positions. A CSA layer hands its
-        indexer's inputs and selection to `on_selection` (--verify-indexer). `attend`:
-        `banded_sink_attention` (the CPU path) and `exit_projection`: `attention_exit`, each eager or
-        compiled."""
+        indexer's inputs and selection to `on_selection` (--verify-indexer). `pieces`: the model's
+        implementations of `banded_sink_attention` (the CPU path), `attention_exit` and the
+        compressors' `feed`, each eager or compiled."""
         cfg, pools, positions = self.cfg, self.pools, plan.positions
         x, q, kv, qr, projected = inputs
         compressor_inputs = projected[:, self.rest_start :].split(self.rest_widths, dim=-1)
@@ -99,15 +102,17 @@ class PagedAttention:
         index_queries = None
         if self.compressor is not None:  # rows of windows this batch completes, before any query reads them
             compress = plan.compress[self.ratio]
-            window_rope = Rope(compress.window_positions, rope.inv_freq, x.dtype)  # the new rows' positions
+            # the new rows' positions; most decode steps complete no window and need no tables
+            window_rope = Rope(compress.window_positions, rope.inv_freq, x.dtype) if len(compress.window_positions) else None
             self.compressor.advance(compressor_inputs[0], positions, compress, window_rope,
                                     pools.compressor_state(self.layer), pools.compressed_rows(self.layer),
-                                    pools.main_format, kernels=self.kernels)
+                                    pools.main_format, kernels=self.kernels, feed_rows=pieces.compressor_feed)
             if self.index_compressor is not None:
                 index_rows, head_weights = compressor_inputs[1:]
                 self.index_compressor.advance(index_rows, positions, compress, window_rope,
                                               pools.indexer_state(self.layer), pools.index_keys(self.layer),
-                                              pools.index_format, kernels=self.kernels)
+                                              pools.index_format, kernels=self.kernels,
+                                              feed_rows=pieces.compressor_feed)
                 pools.record_index_keys(self.layer, compress.window_pages, compress.window_page_rows)
                 index_queries = self._index_queries(head_weights, qr, rope)
 
@@ -120,13 +125,14 @@ class PagedAttention:
                 picks = [self._picks(group, index_queries, positions) for group in plan.groups]
                 if on_selection is not None:
                     on_selection(IndexerSelection(self.layer, x, *index_queries, _token_picks(picks, cfg.index_topk)))
+            attend = pieces.attend
             out = torch.cat([self._attend_decodes(group, q, raw_rows, positions, group_picks, attend) if group.length == 1
                              else self._attend(group, q, raw_keys, group_picks, attend)
                              for group, group_picks in zip(plan.groups, picks, strict=True)])
         ring = plan.ring_write
         put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
 
-        out = exit_projection(out, rope.cos2, rope.sin2, self.wo_a, self.wo_b)
+        out = pieces.attention_exit(out, rope.cos2, rope.sin2, self.wo_a, self.wo_b)
         return out if self.reduce is None else self.reduce.all_reduce_sum(out, "attn.out")  # this rank's groups' share
 
     def _attend_with_kernels(self, x: torch.Tensor, q: torch.Tensor, raw_rows: torch.Tensor, index_queries,

@@ -12,6 +12,8 @@ much of a layer's small ops:
   softmax is a dozen elementwise passes over the logits;
 - `attention_exit` (dsv4.model.attention): the attention output's inverse RoPE and its grouped
   low-rank output projection (wo_a, wo_b);
+- `compressor_feed` (dsv4.model.compressor.feed): a batch's tokens through a compressor's partial
+  state (its score rows with the position bias, and the rows the new windows pool);
 - `moe_dispatch` and `moe_combine` (dsv4.model.moe, one dispatch package per routing kind): the
   MoE's routing and sort by expert, and its weighted sum back plus the shared expert, around the
   grouped matmuls, which stay eager (torch's export cannot trace `grouped_mm` in fp32 on the CPU).
@@ -36,7 +38,7 @@ layer and batch size. Its fused kernels run on one thread
 
 Packages are kept in `cache` under a key of everything the code depends on (torch's version, the
 CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, and the source of this
-module and of those that define the math), so a restart on the same machine loads them (3.6 s for `small`'s eight packages).
+module and of those that define the math), so a restart on the same machine loads them (3.6..3.9 s for `small`'s nine packages).
 Compiling or loading is bounded by `timeout`: past it, or on any failure, the model serves eagerly
 and says so (a slow compiler never keeps a server from starting; a compile that finishes late still
 fills the cache for the next start).
@@ -61,14 +63,14 @@ import torch.utils._pytree as pytree
 
 from dsv4.config import ModelConfig
 
-from . import attention, mhc, moe, ops
+from . import attention, compressor, mhc, moe, ops
 
 if TYPE_CHECKING:
     from .model import PagedModel
 
 log = logging.getLogger(__name__)
 
-_SOURCES = (attention, mhc, moe, ops)  # the modules whose code the pieces run
+_SOURCES = (attention, compressor, mhc, moe, ops)  # the modules whose code the pieces run
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class Pieces:
     attention_entry: Callable  # attention.attention_entry with the model's constants bound
     attend: Callable  # attention.banded_sink_attention with the model's scale bound
     attention_exit: Callable  # attention.attention_exit
+    compressor_feed: Callable  # compressor.feed
     moe_dispatch: Callable  # moe.dispatch with the model's constants and this rank's experts bound
     moe_combine: Callable  # moe.combine with the model's swiglu limit bound
     compiled: bool
@@ -89,7 +92,7 @@ def eager_pieces(cfg: ModelConfig, experts: range) -> Pieces:
     return Pieces(mix=functools.partial(mhc.mix, **constants),
                   attention_entry=functools.partial(attention.attention_entry, **constants),
                   attend=functools.partial(attention.banded_sink_attention, scale=_scale(cfg)),
-                  attention_exit=attention.attention_exit,
+                  attention_exit=attention.attention_exit, compressor_feed=compressor.feed,
                   moe_dispatch=functools.partial(moe.dispatch, **moe.dispatch_constants(cfg, experts)),
                   moe_combine=functools.partial(moe.combine, swiglu_limit=cfg.swiglu_limit), compiled=False)
 
@@ -130,7 +133,9 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
     def dispatch_either(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor):
         return dispatch["hash" if route.dtype == torch.long else "scored"](x, token_ids, gate, route)
 
-    return Pieces(**compiled, attend=attend_either, moe_dispatch=dispatch_either, compiled=True)
+    # (a model of window layers alone has no compressor to compile a feed for)
+    feed = compiled.pop("compressor_feed", compressor.feed)
+    return Pieces(**compiled, attend=attend_either, compressor_feed=feed, moe_dispatch=dispatch_either, compiled=True)
 
 
 class _Mix(torch.nn.Module):
@@ -174,6 +179,14 @@ class _AttentionExit(torch.nn.Module):
         return attention.attention_exit(out, cos2, sin2, wo_a, wo_b)
 
 
+class _CompressorFeed(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig):  # (no constants: sizes come from the tensors)
+        super().__init__()
+
+    def forward(self, projected, positions, ape, read_state, window_sources, update_sources):
+        return compressor.feed(projected, positions, ape, read_state, window_sources, update_sources)
+
+
 class _MoEDispatch(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, experts: range):
         super().__init__()
@@ -193,7 +206,7 @@ class _MoECombine(torch.nn.Module):
 
 
 _MODULES = {"mix": _Mix, "attention_entry": _AttentionEntry, "attend": _Attend, "attend_compressed": _AttendCompressed,
-            "attention_exit": _AttentionExit, "moe_combine": _MoECombine}
+            "attention_exit": _AttentionExit, "compressor_feed": _CompressorFeed, "moe_combine": _MoECombine}
 
 
 def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -223,6 +236,17 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
                 "attend": attend, "attend_compressed": (*attend, *compressed),
                 "attention_exit": (torch.zeros(tokens, heads, dim, dtype=dtype, device=device), cos2, sin2, block.attn.wo_a,
                                    block.attn.wo_b)}
+    # A compressor's feed at sizes of its own each (2 tokens, 3 state rows read, 5 windows of 7 slots, 9
+    # rows updated; an ape of 13 x 17): every compressor of the model has other ratios and widths.
+    apes = [b.attn.compressor.ape for b in model.blocks if b.attn.compressor is not None]
+    if apes:
+        width = 17
+        examples["compressor_feed"] = (torch.zeros(tokens, 2 * width, dtype=dtype, device=device),
+                                       torch.arange(tokens, device=device),
+                                       torch.zeros(13, width, dtype=apes[0].dtype, device=device),
+                                       torch.zeros(3, 2 * width, dtype=acc, device=device),
+                                       torch.zeros(5, 7, dtype=torch.long, device=device),
+                                       torch.zeros(9, dtype=torch.long, device=device))
     # The MoE at two tokens (distinct ids: export would specialise on equal ones) and their k picks each
     ffn, picks = block.ffn, tokens * cfg.num_experts_per_tok
     moe_input = (torch.zeros(tokens, hidden, dtype=dtype, device=device), torch.arange(tokens, device=device))
@@ -254,6 +278,11 @@ def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
         b, n, q, k, c = (torch.export.Dim(dim, min=1) for dim in ("batch", "blocks", "block", "band", "compressed"))
         shapes = [{0: b, 1: n, 2: q}, {0: b, 1: n, 2: k}, {0: b, 1: n, 2: q, 3: k}, None]
         return shapes + ([{0: b, 1: c}, {0: b, 1: n, 2: q, 3: c}] if name == "attend_compressed" else [])
+    if name == "compressor_feed":  # any of them may be empty (most decode steps complete no window)
+        tokens, read, windows, updates = (torch.export.Dim(dim, min=0) for dim in ("tokens", "read", "windows", "updates"))
+        ratio, width, span = (torch.export.Dim(dim, min=1) for dim in ("ratio", "width", "span"))
+        return [{0: tokens, 1: 2 * width}, {0: tokens}, {0: ratio, 1: width}, {0: read, 1: 2 * width},
+                {0: windows, 1: span}, {0: updates}]
     tokens = torch.export.Dim("tokens", min=1)
     if name == "attention_exit":
         return [{0: tokens}, {0: tokens}, {0: tokens}, None, None]

@@ -14,6 +14,8 @@ path the pooling, norm, RoPE and quantise-and-insert of the new rows are one op
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dsv4.kernels import dispatch
@@ -33,22 +35,18 @@ class PagedCompressor:
         self.ape, self.norm = ape, norm
         self.ratio, self.overlap, self.norm_eps = ratio, overlap, norm_eps
 
-    def token_rows(self, projected: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """projected [T, 2 * width] (the layer input times wkv | wgate) -> state rows [T, 2 * width]
-        (kv | gate + ape) in at least fp32."""
-        acc = accumulation_dtype(projected.dtype)
-        kv, gate = projected.split(self.width, dim=-1)
-        score = gate.to(self.ape.dtype) + self.ape[positions % self.ratio]
-        return torch.cat([kv.to(acc), score.to(acc)], dim=-1)
-
-    def advance(self, projected: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, rope: Rope,
-                state: torch.Tensor, cache: torch.Tensor, row_format: str, *, kernels: bool) -> None:
+    def advance(self, projected: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, rope: Rope | None,
+                state: torch.Tensor, cache: torch.Tensor, row_format: str, *, kernels: bool,
+                feed_rows: Callable) -> None:
         """Feed this batch's tokens (`projected`: their layer input times wkv | wgate, in the model's
-        dtype) into `state` [slots, rows, 2 * width] (updated in place) and store
-        the rows of the windows they complete in `cache` (a pool view of `row_format` rows) at
-        (plan.window_pages, plan.window_page_rows); `rope` rotates at plan.window_positions. With
-        `kernels`, through the dispatcher's op."""
-        windows = self._feed(projected, positions, plan, state)
+        dtype) into `state` [slots, rows, 2 * width] (updated in place) through `feed_rows` (`feed`,
+        eager or compiled) and store the rows of the windows they complete in `cache` (a pool view of
+        `row_format` rows) at (plan.window_pages, plan.window_page_rows); `rope` rotates at
+        plan.window_positions (None when no window completes). With `kernels`, through the
+        dispatcher's op."""
+        windows, updates = feed_rows(projected, positions, self.ape, state[plan.state_slots, plan.state_rows],
+                                     plan.window_sources, plan.update_sources)
+        state[plan.update_slots, plan.update_rows] = updates.to(state.dtype)
         if windows.shape[0] == 0:  # no window completes (most decode steps): nothing to store
             return
         if kernels:
@@ -65,17 +63,6 @@ class PagedCompressor:
         packed = pack_index_rows(rows, "fp8") if row_format == "fp8" else pack_main_rows(rows, row_format, rope.dim)
         put_rows(cache, (plan.window_pages, plan.window_page_rows), packed)
 
-    def _feed(self, projected: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
-              state: torch.Tensor) -> torch.Tensor:
-        """Updates `state` with this batch's tokens; returns the slots of every window they complete,
-        [n_windows, span, 2 * width] in at least fp32 (CSA: the previous window's 4 tokens first)."""
-        rows = self.token_rows(projected, positions)
-        empty = torch.cat([rows.new_zeros(self.width), rows.new_full((self.width,), float("-inf"))])
-        source = torch.cat([state[plan.state_slots, plan.state_rows].to(rows.dtype), rows, empty.unsqueeze(0)])
-        windows = source[plan.window_sources]
-        state[plan.update_slots, plan.update_rows] = source[plan.update_sources].to(state.dtype)
-        return windows
-
     def _pool(self, windows: torch.Tensor) -> torch.Tensor:
         """windows [n, span, 2 * width] -> [n, dim]: softmax over the window's slots, per channel."""
         kv, score = windows.split(self.width, dim=-1)
@@ -85,3 +72,21 @@ class PagedCompressor:
             kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
             score = torch.cat([score[:, :r, :d], score[:, r:, d:]], dim=1)
         return (torch.softmax(score, dim=1) * kv).sum(dim=1)
+
+
+def feed(projected: torch.Tensor, positions: torch.Tensor, ape: torch.Tensor, read_state: torch.Tensor,
+         window_sources: torch.Tensor, update_sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's tokens through a compressor's partial state, without the state's own reads and writes:
+    projected [T, 2 * width] (the layer input times wkv | wgate, in the model's dtype), positions [T],
+    ape [ratio, width] and read_state [n_read, 2 * width] (state[plan.state_slots, plan.state_rows])
+    -> (the slots of every window the tokens complete [n_windows, span, 2 * width], the partial-state
+    rows that change [n_update, 2 * width]), both in at least fp32. Sizes come from the tensors, so
+    one compiled form (dsv4/model/compile.py) serves every compressor of a model."""
+    ratio, width = ape.shape
+    acc = accumulation_dtype(projected.dtype)
+    kv, gate = projected[:, :width], projected[:, width:]  # (not split: a compiled form's width is symbolic)
+    score = gate.to(ape.dtype) + ape[positions % ratio]
+    rows = torch.cat([kv.to(acc), score.to(acc)], dim=-1)  # the tokens' state rows: kv | gate + ape
+    empty = torch.cat([rows.new_zeros(width), rows.new_full((width,), float("-inf"))])
+    source = torch.cat([read_state.to(rows.dtype), rows, empty.unsqueeze(0)])
+    return source[window_sources], source[update_sources]

@@ -84,7 +84,7 @@ class _Block:
         """The residual of the batch's tokens; `rope` at the batch's positions."""
         streams, post, comb, *inputs = pieces.attention_entry(*residual, *self.attn_hc.weights,
                                                               *self.attn.input_weights, rope.cos2, rope.sin2)
-        y = self.attn(AttentionInputs(*inputs), plan, rope, on_selection, pieces.attend, pieces.attention_exit)
+        y = self.attn(AttentionInputs(*inputs), plan, rope, on_selection, pieces)
         streams, x, post, comb = pieces.mix(streams, y, post, comb, *self.ffn_hc.weights)
         return Residual(streams, self.ffn(x, plan.token_ids, pieces.moe_dispatch, pieces.moe_combine), post, comb)
 

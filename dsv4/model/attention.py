@@ -19,6 +19,7 @@ reading the pools directly; the torch code above is the CPU path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -30,7 +31,7 @@ from dsv4.memory.pools import StatePools, put_rows, take_rows
 
 from .compressor import PagedCompressor
 from .mhc import mix
-from .ops import Rope, accumulation_dtype, input_major, linear, rms_norm, rotate_
+from .ops import Rope, accumulation_dtype, linear, rms_norm, rotate_
 from .plan import AttentionGroup, BatchPlan
 from .selection import IndexerSelection, SelectionSink
 from .sharding import Reducer, ShardPlan
@@ -59,13 +60,12 @@ class PagedAttention:
         """`w(name)` fetches this layer's tensor `attn.<name>` (this rank's part, `shard`), already in the
         dtype its math runs in. `reduce` sums partial results across tensor-parallel ranks (None: TP=1)."""
         self.cfg, self.layer, self.pools, self.kernels = cfg, layer, pools, kernels
-        self.index_heads, self.reduce = shard.index_heads, reduce
-        self.q_norm, self.wq_b, self.kv_norm = w("q_norm.weight"), input_major(w("wq_b.weight")), w("kv_norm.weight")
-        # [G, o_lora_rank, heads/G * head_dim], the checkpoint's layout, unlike the other projections:
-        # the grouped product's narrow outputs read it ~2x faster at one token (fp32, one thread:
-        # 320 vs 670 us for a [4, 2048, 128] group) and no slower at more (measured up to 128 tokens).
+        self.reduce = reduce
+        # Every projection in the checkpoint's [out, in] layout (`linear`); wo_a grouped [G, o_lora_rank,
+        # heads/G * head_dim].
+        self.q_norm, self.wq_b, self.kv_norm = w("q_norm.weight"), w("wq_b.weight"), w("kv_norm.weight")
         self.wo_a = w("wo_a.weight").unflatten(0, (shard.o_groups, -1)).contiguous()
-        self.wo_b, self.sink = input_major(w("wo_b.weight")), w("attn_sink")
+        self.wo_b, self.sink = w("wo_b.weight"), w("attn_sink")
         kind = cfg.layer_kind(layer)
         self.ratio = cfg.compress_ratios[layer]
         self.compressor = self.index_compressor = None
@@ -73,7 +73,7 @@ class PagedAttention:
             self.compressor = _compressor(cfg, w, "compressor.", self.ratio, kind == CSA)
         if kind == CSA:
             self.index_compressor = _compressor(cfg, w, "indexer.compressor.", self.ratio, True)
-            self.index_wq_b = input_major(w("indexer.wq_b.weight"))
+            self.index_wq_b = w("indexer.wq_b.weight")
         # Every projection of the layer input as one product (wq_a, wkv, then the compressors' kv | gate
         # and the indexer's head weights where the layer has them): one stream over all of them instead
         # of up to five short ones, which read their weights at half speed on the CPU (small, fp32: a
@@ -85,7 +85,7 @@ class PagedAttention:
             inputs.append(w("indexer.weights_proj.weight"))
         self.rest_start, self.rest_widths = sum(part.shape[0] for part in inputs[:2]), [part.shape[0] for part in inputs[2:]]
         # (`project_inputs`' weights, in its order)
-        self.input_weights = (input_major(torch.cat(inputs)), self.q_norm, self.wq_b, self.kv_norm)
+        self.input_weights = (torch.cat(inputs), self.q_norm, self.wq_b, self.kv_norm)
 
     def __call__(self, inputs: AttentionInputs, plan: BatchPlan, rope: Rope, on_selection: SelectionSink | None,
                  pieces: Pieces) -> torch.Tensor:
@@ -114,7 +114,7 @@ class PagedAttention:
                                               pools.index_format, kernels=self.kernels,
                                               feed_rows=pieces.compressor_feed)
                 pools.record_index_keys(self.layer, compress.window_pages, compress.window_page_rows)
-                index_queries = self._index_queries(head_weights, qr, rope)
+                index_queries = pieces.index_queries(qr, head_weights, self.index_wq_b, rope.cos2, rope.sin2)
 
         if self.kernels:
             out = self._attend_with_kernels(x, q, raw_rows, index_queries, plan, on_selection)
@@ -213,13 +213,6 @@ class PagedAttention:
         compressed_allowed = torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
         return attend(queries, raw, raw_allowed, self.sink, compressed, compressed_allowed)
 
-    def _index_queries(self, head_weights: torch.Tensor, qr: torch.Tensor, rope: Rope):
-        """head_weights [T, index heads]: the layer input times the indexer's weights_proj."""
-        cfg = self.cfg
-        q = rope.rotate_(linear(qr, self.index_wq_b).unflatten(-1, (self.index_heads, cfg.index_head_dim)))
-        scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
-        return q, head_weights.to(accumulation_dtype(head_weights.dtype)) * scale
-
     def _picks(self, group: AttentionGroup, index_queries, positions: torch.Tensor) -> torch.Tensor:
         """[B, L, min(topk, n_max)]: the compressed rows the lightning indexer picks for each query, -1 padded."""
         cfg, seen = self.cfg, group.compressed[self.ratio]
@@ -250,17 +243,18 @@ class PagedAttention:
 
 
 def project_inputs(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor, wq_b: torch.Tensor,
-                   kv_norm: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, *, eps: float) -> AttentionInputs:
+                   kv_norm: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, *, eps: float,
+                   product: Callable = linear) -> AttentionInputs:
     """Every projection of the layer input x [T, hidden] as one product (`w_input`: wq_a, wkv, then the
     rest), the query and raw-row norms and their rotation at the tokens' positions (RoPE tables cos2,
     sin2 [T, R]). Shapes come from the weights, so one compiled form serves every layer (the part past
     wq_a | wkv, empty in window layers, is left in the product: sliced out here, its width would be
-    specialised)."""
+    specialised). `product`: `linear`, or `row_linear` in the decode pieces (the same math)."""
     q_rank, head_dim = q_norm.shape[0], kv_norm.shape[0]
-    projected = linear(x, w_input)
+    projected = product(x, w_input)
     q_low, kv = projected[:, :q_rank], projected[:, q_rank : q_rank + head_dim]
     qr = rms_norm(q_low, q_norm, eps)
-    q = linear(qr, wq_b).unflatten(-1, (-1, head_dim))
+    q = product(qr, wq_b).unflatten(-1, (-1, head_dim))
     q = rotate_(rms_norm(q, None, eps), cos2, sin2)
     kv = rotate_(rms_norm(kv, kv_norm, eps), cos2, sin2)
     return AttentionInputs(x, q, kv, qr, projected)
@@ -269,25 +263,36 @@ def project_inputs(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor,
 def attention_entry(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor, w_input: torch.Tensor,
                     q_norm: torch.Tensor, wq_b: torch.Tensor, kv_norm: torch.Tensor, cos2: torch.Tensor,
-                    sin2: torch.Tensor, *, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+                    sin2: torch.Tensor, *, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                    product: Callable = linear):
     """From a layer's incoming residual to its attention's projected input: `mix` (the last sublayer's
     output written, the attention's input collapsed and normed), then `project_inputs`. Returns
     (streams, post, comb, *AttentionInputs): one piece, so that one compiled call covers all of it."""
     streams, x, post, comb = mix(streams, output, post, comb, fn, base, scale, norm, n=n,
                                  sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
-    return (streams, post, comb, *project_inputs(x, w_input, q_norm, wq_b, kv_norm, cos2, sin2, eps=norm_eps))
+    return (streams, post, comb, *project_inputs(x, w_input, q_norm, wq_b, kv_norm, cos2, sin2, eps=norm_eps,
+                                                 product=product))
 
 
 def attention_exit(out: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, wo_a: torch.Tensor,
-                   wo_b: torch.Tensor) -> torch.Tensor:
+                   wo_b: torch.Tensor, *, product: Callable = linear) -> torch.Tensor:
     """The attention's output [T, H, D] (ours to overwrite) -> the layer's output [T, hidden]: the
     rotation undone at the tokens' positions (tables cos2, sin2 [T, R]), then the grouped low-rank
     projection (wo_a [G, o_lora_rank, heads/G * D]) and wo_b. One piece: compiled, the rotation's
     passes and both products are one call."""
     out = rotate_(out, cos2, sin2, inverse=True)
     grouped = out.flatten(1).unflatten(-1, (wo_a.shape[0], -1))  # [T, G, heads/G * D]
-    low_rank = torch.einsum("tgi,gri->tgr", grouped.to(wo_a.dtype), wo_a).flatten(1)
-    return linear(low_rank, wo_b)
+    return product(product(grouped, wo_a).flatten(1), wo_b)
+
+
+def index_queries(qr: torch.Tensor, head_weights: torch.Tensor, wq_b: torch.Tensor, cos2: torch.Tensor,
+                  sin2: torch.Tensor, *, head_dim: int, scale: float,
+                  product: Callable = linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lightning indexer's queries [T, heads, head_dim] from the normed low-rank query qr [T, q_lora_rank]
+    (wq_b [heads * head_dim, q_lora_rank], rotated at the tokens' positions), and its head weights
+    [T, heads] (the layer input times weights_proj) scaled, in at least fp32."""
+    q = rotate_(product(qr, wq_b).unflatten(-1, (-1, head_dim)), cos2, sin2)
+    return q, head_weights.to(accumulation_dtype(head_weights.dtype)) * scale
 
 
 def _indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

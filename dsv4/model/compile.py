@@ -16,7 +16,13 @@ much of a layer's small ops:
   state (its score rows with the position bias, and the rows the new windows pool);
 - `moe_dispatch` and `moe_combine` (dsv4.model.moe, one dispatch package per routing kind): the
   MoE's routing and sort by expert, and its weighted sum back plus the shared expert, around the
-  grouped matmuls, which stay eager (torch's export cannot trace `grouped_mm` in fp32 on the CPU).
+  grouped matmuls, which stay eager (torch's export cannot trace `grouped_mm` in fp32 on the CPU);
+- for forwards of at most `ops.FEW_TOKENS` tokens (decode steps), packages of their own (`_few`):
+  the entry, the exit, the indexer's queries (dsv4.model.attention.index_queries) and the whole MoE
+  (dsv4.model.moe.few, one per routing kind), with every product `ops.row_linear`: compiled, it
+  streams the weight's rows at the memory's pace, where oneDNN's one-row products read bf16 at a
+  third of that on a CPU without AMX. A c=1 decode step of `small` took 22.0 ms in bf16 against
+  34.5, and 23.2 ms in fp32 against 28.5 (its MoE 1.8 against 7.1 ms).
 Compiled, each is one call of fused C++ kernels around its matmuls. Ahead of time rather than
 `torch.compile`'s just-in-time form because a call then skips dynamo's guards on every input: in a
 c=1 decode step (small, fp32, in process, alternated runs) the jit-compiled collapse took 207 us a
@@ -28,8 +34,9 @@ A package is called through its runner, not its Python wrapper (see `_load_or_co
 share of a c=1 decode step of `small` fell by ~1.3 ms more (mix 1.21 -> 0.75 ms a step, the MoE's
 dispatch 0.85 -> 0.56, the attention 1.96 -> 1.47).
 
-Each compiled piece is the eager function exported as it stands: the same math, where only the
-summation order of the fused code may differ, within fp32 rounding. Its batch sizes are symbolic
+Each compiled piece is the eager function exported as it stands (a `_few` one with `row_linear` as
+its product): the same math, where only the summation order of the fused code may differ, within
+fp32 rounding. Its batch sizes are symbolic
 (tokens; the MoE's picks; the attention's batch, blocks, band and compressed rows; and the width of the layer's input
 projection, which differs between window, HCA and CSA layers), so one package per piece serves every
 layer and batch size. Its fused kernels run on one thread
@@ -75,15 +82,16 @@ _SOURCES = (attention, compressor, mhc, moe, ops)  # the modules whose code the 
 
 @dataclass(frozen=True)
 class Pieces:
-    """The implementations the model calls for its compilable pieces (tensors in, tensors out)."""
+    """The implementations the model calls for its compilable pieces (tensors in, tensors out), each
+    with the model's constants (and this rank's experts) bound."""
 
-    mix: Callable  # mhc.mix with the model's constants bound
-    attention_entry: Callable  # attention.attention_entry with the model's constants bound
-    attend: Callable  # attention.banded_sink_attention with the model's scale bound
+    mix: Callable  # mhc.mix
+    attention_entry: Callable  # attention.attention_entry
+    attend: Callable  # attention.banded_sink_attention
     attention_exit: Callable  # attention.attention_exit
     compressor_feed: Callable  # compressor.feed
-    moe_dispatch: Callable  # moe.dispatch with the model's constants and this rank's experts bound
-    moe_combine: Callable  # moe.combine with the model's swiglu limit bound
+    index_queries: Callable  # attention.index_queries
+    moe: Callable  # moe.grouped (compiled: moe.few for forwards of at most FEW_TOKENS tokens)
     compiled: bool
 
 
@@ -93,8 +101,10 @@ def eager_pieces(cfg: ModelConfig, experts: range) -> Pieces:
                   attention_entry=functools.partial(attention.attention_entry, **constants),
                   attend=functools.partial(attention.banded_sink_attention, scale=_scale(cfg)),
                   attention_exit=attention.attention_exit, compressor_feed=compressor.feed,
-                  moe_dispatch=functools.partial(moe.dispatch, **moe.dispatch_constants(cfg, experts)),
-                  moe_combine=functools.partial(moe.combine, swiglu_limit=cfg.swiglu_limit), compiled=False)
+                  index_queries=functools.partial(attention.index_queries, **_index_constants(cfg)),
+                  moe=_grouped_moe(cfg, functools.partial(moe.dispatch, **moe.dispatch_constants(cfg, experts)),
+                                   functools.partial(moe.combine, swiglu_limit=cfg.swiglu_limit)),
+                  compiled=False)
 
 
 def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
@@ -110,7 +120,7 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
              "--disable-compile to skip)", action, ", ".join(packages), cache, timeout)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-compile")
     try:
-        compiled = pool.submit(_load_or_compile_all, packages, examples, model.cfg, experts).result(
+        compiled = pool.submit(_load_or_compile_all, packages, examples, _modules(model.cfg, experts)).result(
             timeout=timeout)
     except FutureTimeout:
         log.warning("compiling did not finish within %.0f s: serving eagerly", timeout)
@@ -121,98 +131,77 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
     finally:
         pool.shutdown(wait=False)
     log.info("compiled pieces ready in %.1f s", time.monotonic() - started)
-    attend, attend_compressed = compiled.pop("attend"), compiled.pop("attend_compressed")
+    return _assemble(model.cfg, compiled)
+
+
+def _assemble(cfg: ModelConfig, compiled: dict[str, Callable]) -> Pieces:
+    """The Pieces over the loaded packages: each call routed to the package for its sizes and kind."""
+    attend, attend_compressed = compiled["attend"], compiled["attend_compressed"]
 
     def attend_either(*tensors: torch.Tensor):  # (q, raw, raw_allowed, sink[, compressed, compressed_allowed])
         return (attend_compressed if len(tensors) == 6 else attend)(*tensors)
 
-    # one package per routing kind the model has (a model may have no hash layers, or only those)
-    dispatch = {kind: compiled.pop(f"moe_dispatch_{kind}") for kind in ("hash", "scored")
-                if f"moe_dispatch_{kind}" in compiled}
+    def by_route(name: str) -> Callable:  # one package per routing kind the model has (hash: tid2eid, long)
+        packages = {kind: compiled[f"{name}_{kind}"] for kind in ("hash", "scored") if f"{name}_{kind}" in compiled}
+        return lambda x, token_ids, gate, route, *weights: packages["hash" if route.dtype == torch.long else "scored"](
+            x, token_ids, gate, route, *weights)
 
-    def dispatch_either(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor):
-        return dispatch["hash" if route.dtype == torch.long else "scored"](x, token_ids, gate, route)
+    def by_tokens(few: Callable, general: Callable) -> Callable:  # the first argument's rows are the tokens
+        return lambda first, *rest: (few if first.shape[0] <= ops.FEW_TOKENS else general)(first, *rest)
 
-    # (a model of window layers alone has no compressor to compile a feed for)
-    feed = compiled.pop("compressor_feed", compressor.feed)
-    return Pieces(**compiled, attend=attend_either, compressor_feed=feed, moe_dispatch=dispatch_either, compiled=True)
+    # (a model of window layers alone has no compressor to compile a feed for, nor index queries)
+    index_queries = functools.partial(attention.index_queries, **_index_constants(cfg))
+    return Pieces(mix=compiled["mix"],
+                  attention_entry=by_tokens(compiled["attention_entry_few"], compiled["attention_entry"]),
+                  attend=attend_either,
+                  attention_exit=by_tokens(compiled["attention_exit_few"], compiled["attention_exit"]),
+                  compressor_feed=compiled.get("compressor_feed", compressor.feed),
+                  index_queries=by_tokens(compiled["index_queries_few"], index_queries)
+                  if "index_queries_few" in compiled else index_queries,
+                  moe=by_tokens(by_route("moe_few"), _grouped_moe(cfg, by_route("moe_dispatch"), compiled["moe_combine"])),
+                  compiled=True)
 
 
-class _Mix(torch.nn.Module):
-    """The pieces as the modules torch.export takes (explicit arguments: export maps its dynamic
-    shapes onto them)."""
+def _grouped_moe(cfg: ModelConfig, dispatch: Callable, combine: Callable) -> Callable:
+    return functools.partial(moe.grouped, dispatch=dispatch, combine=combine, swiglu_limit=cfg.swiglu_limit)
 
-    def __init__(self, cfg: ModelConfig):
+
+class _Piece(torch.nn.Module):
+    """A piece as the module torch.export takes: `function` with its constants bound, called with
+    explicit arguments (export maps its dynamic shapes onto them)."""
+
+    def __init__(self, function: Callable, **constants):
         super().__init__()
-        self.constants = _constants(cfg)
+        self.function, self.constants = function, constants
 
-    def forward(self, streams, output, post, comb, fn, base, scale, norm):
-        return mhc.mix(streams, output, post, comb, fn, base, scale, norm, **self.constants)
-
-
-class _AttentionEntry(_Mix):
-    def forward(self, streams, output, post, comb, fn, base, scale, norm, w_input, q_norm, wq_b, kv_norm, cos2, sin2):
-        return attention.attention_entry(streams, output, post, comb, fn, base, scale, norm, w_input, q_norm, wq_b,
-                                         kv_norm, cos2, sin2, **self.constants)
+    def forward(self, *tensors: torch.Tensor | None):
+        return self.function(*tensors, **self.constants)
 
 
-class _Attend(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.scale = _scale(cfg)
-
-    def forward(self, q, raw, raw_allowed, sink):
-        return attention.banded_sink_attention(q, raw, raw_allowed, sink, scale=self.scale)
-
-
-class _AttendCompressed(_Attend):
-    def forward(self, q, raw, raw_allowed, sink, compressed, compressed_allowed):
-        return attention.banded_sink_attention(q, raw, raw_allowed, sink, compressed, compressed_allowed,
-                                               scale=self.scale)
-
-
-class _AttentionExit(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig):  # (no constants: the math takes its tensors alone)
-        super().__init__()
-
-    def forward(self, out, cos2, sin2, wo_a, wo_b):
-        return attention.attention_exit(out, cos2, sin2, wo_a, wo_b)
-
-
-class _CompressorFeed(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig):  # (no constants: sizes come from the tensors)
-        super().__init__()
-
-    def forward(self, projected, positions, ape, read_state, window_sources, update_sources):
-        return compressor.feed(projected, positions, ape, read_state, window_sources, update_sources)
-
-
-class _MoEDispatch(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, experts: range):
-        super().__init__()
-        self.constants = moe.dispatch_constants(cfg, experts)
-
-    def forward(self, x, token_ids, gate, route):
-        return moe.dispatch(x, token_ids, gate, route, **self.constants)
-
-
-class _MoECombine(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.swiglu_limit = cfg.swiglu_limit
-
-    def forward(self, outputs, tokens, scale, keep, x, shared_w13, shared_w2):
-        return moe.combine(outputs, tokens, scale, keep, x, shared_w13, shared_w2, swiglu_limit=self.swiglu_limit)
-
-
-_MODULES = {"mix": _Mix, "attention_entry": _AttentionEntry, "attend": _Attend, "attend_compressed": _AttendCompressed,
-            "attention_exit": _AttentionExit, "compressor_feed": _CompressorFeed, "moe_combine": _MoECombine}
+def _modules(cfg: ModelConfig, experts: range) -> dict[str, _Piece]:
+    """Every package's module by name; the `_few` ones (forwards of at most FEW_TOKENS tokens, decode
+    steps) take their products as `row_linear`."""
+    constants, dispatch = _constants(cfg), moe.dispatch_constants(cfg, experts)
+    few = {"product": ops.row_linear}
+    return {"mix": _Piece(mhc.mix, **constants),
+            "attention_entry": _Piece(attention.attention_entry, **constants),
+            "attention_entry_few": _Piece(attention.attention_entry, **constants, **few),
+            "attend": _Piece(attention.banded_sink_attention, scale=_scale(cfg)),
+            "attend_compressed": _Piece(attention.banded_sink_attention, scale=_scale(cfg)),
+            "attention_exit": _Piece(attention.attention_exit),
+            "attention_exit_few": _Piece(attention.attention_exit, **few),
+            "compressor_feed": _Piece(compressor.feed),
+            "index_queries_few": _Piece(attention.index_queries, **_index_constants(cfg), **few),
+            **{f"moe_dispatch_{kind}": _Piece(moe.dispatch, **dispatch) for kind in ("hash", "scored")},
+            **{f"moe_few_{kind}": _Piece(moe.few, **dispatch, swiglu_limit=cfg.swiglu_limit)
+               for kind in ("hash", "scored")},
+            "moe_combine": _Piece(moe.combine, swiglu_limit=cfg.swiglu_limit)}
 
 
 def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
     """Each piece's arguments for a batch of 2 tokens: zero activations, the weights of the layer with
     the widest input projection (traced at a window layer's, the empty rest would be specialised)."""
-    block = max(model.blocks, key=lambda block: block.attn.input_weights[0].shape[1])
+    block = max(model.blocks, key=lambda block: block.attn.input_weights[0].shape[0])
     cfg, tokens = model.cfg, 2
     n, hidden, dtype = cfg.hc_mult, cfg.hidden_size, model.dtype
     acc, device = ops.accumulation_dtype(dtype), model.embed.device
@@ -231,11 +220,11 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
               torch.ones(batch, blocks, queries, band, dtype=torch.bool, device=device), block.attn.sink)
     compressed = (torch.zeros(batch, rows, dim, dtype=acc, device=device),
                   torch.ones(batch, blocks, queries, rows, dtype=torch.bool, device=device))
-    examples = {"mix": (*residual, *block.ffn_hc.weights),
-                "attention_entry": (*residual, *block.attn_hc.weights, *block.attn.input_weights, cos2, sin2),
-                "attend": attend, "attend_compressed": (*attend, *compressed),
-                "attention_exit": (torch.zeros(tokens, heads, dim, dtype=dtype, device=device), cos2, sin2, block.attn.wo_a,
-                                   block.attn.wo_b)}
+    entry = (*residual, *block.attn_hc.weights, *block.attn.input_weights, cos2, sin2)
+    exit_ = (torch.zeros(tokens, heads, dim, dtype=dtype, device=device), cos2, sin2, block.attn.wo_a, block.attn.wo_b)
+    examples = {"mix": (*residual, *block.ffn_hc.weights), "attention_entry": entry, "attention_entry_few": entry,
+                "attend": attend, "attend_compressed": (*attend, *compressed), "attention_exit": exit_,
+                "attention_exit_few": exit_}
     # A compressor's feed at sizes of its own each (2 tokens, 3 state rows read, 5 windows of 7 slots, 9
     # rows updated; an ape of 13 x 17): every compressor of the model has other ratios and widths.
     apes = [b.attn.compressor.ape for b in model.blocks if b.attn.compressor is not None]
@@ -247,12 +236,19 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
                                        torch.zeros(3, 2 * width, dtype=acc, device=device),
                                        torch.zeros(5, 7, dtype=torch.long, device=device),
                                        torch.zeros(9, dtype=torch.long, device=device))
+    indexed = [b.attn for b in model.blocks if b.attn.index_compressor is not None]
+    if indexed:
+        index_heads = indexed[0].index_wq_b.shape[0] // cfg.index_head_dim
+        examples["index_queries_few"] = (torch.zeros(tokens, cfg.q_lora_rank, dtype=dtype, device=device),
+                                         torch.zeros(tokens, index_heads, dtype=dtype, device=device),
+                                         indexed[0].index_wq_b, cos2, sin2)
     # The MoE at two tokens (distinct ids: export would specialise on equal ones) and their k picks each
     ffn, picks = block.ffn, tokens * cfg.num_experts_per_tok
     moe_input = (torch.zeros(tokens, hidden, dtype=dtype, device=device), torch.arange(tokens, device=device))
     for b in model.blocks:
         kind = "hash" if b.ffn.router[1].dtype == torch.long else "scored"
         examples.setdefault(f"moe_dispatch_{kind}", (*moe_input, *b.ffn.router))
+        examples.setdefault(f"moe_few_{kind}", (*moe_input, *b.ffn.router, b.ffn.w13, b.ffn.w2, *b.ffn.shared))
     examples["moe_combine"] = (torch.zeros(picks, hidden, dtype=dtype, device=device),
                                torch.zeros(picks, dtype=torch.long, device=device),
                                torch.zeros(picks, 1, dtype=acc, device=device),
@@ -268,11 +264,12 @@ _ATTEND_EXAMPLE = (2, 3, 5, 7, 11)  # batch B, blocks N, queries per block Q, ba
 
 
 def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
-    if name.startswith("moe_dispatch"):
-        tokens = torch.export.Dim("tokens", min=1)
-        return [{0: tokens}, {0: tokens}, None, None]
+    few = name.endswith("_few") or name.startswith("moe_few")
+    tokens = torch.export.Dim("tokens", min=1, max=ops.FEW_TOKENS) if few else torch.export.Dim("tokens", min=1)
+    if name.startswith(("moe_dispatch", "moe_few")):  # (x, token_ids, gate, route, the experts' weights)
+        return [{0: tokens}, {0: tokens}] + [None] * (len(example) - 2)
     if name == "moe_combine":  # picks = tokens * k, which export cannot express: a symbol of its own
-        picks, tokens = torch.export.Dim("picks", min=1), torch.export.Dim("tokens", min=1)
+        picks = torch.export.Dim("picks", min=1)
         return [{0: picks}, {0: picks}, {0: picks}, {0: picks}, {0: tokens}, None, None]
     if name.startswith("attend"):
         b, n, q, k, c = (torch.export.Dim(dim, min=1) for dim in ("batch", "blocks", "block", "band", "compressed"))
@@ -283,29 +280,29 @@ def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
         ratio, width, span = (torch.export.Dim(dim, min=1) for dim in ("ratio", "width", "span"))
         return [{0: tokens, 1: 2 * width}, {0: tokens}, {0: ratio, 1: width}, {0: read, 1: 2 * width},
                 {0: windows, 1: span}, {0: updates}]
-    tokens = torch.export.Dim("tokens", min=1)
-    if name == "attention_exit":
+    if name.startswith("attention_exit"):
         return [{0: tokens}, {0: tokens}, {0: tokens}, None, None]
+    if name == "index_queries_few":
+        return [{0: tokens}, {0: tokens}, None, {0: tokens}, {0: tokens}]
     residual = [{0: tokens}] * 4
     if name == "mix":
         return [*residual, None, None, None, None]
     # wq_a | wkv | the rest, which window, HCA and CSA layers size differently (window layers: empty)
     q_norm, kv_norm = example[9], example[11]
     width = torch.export.Dim("input_width", min=q_norm.shape[0] + kv_norm.shape[0])
-    return [*residual, None, None, None, None, {1: width}, None, None, None, {0: tokens}, {0: tokens}]
+    return [*residual, None, None, None, None, {0: width}, None, None, None, {0: tokens}, {0: tokens}]
 
 
-def _load_or_compile_all(packages: dict[str, Path], examples: dict[str, tuple], cfg: ModelConfig,
-                         experts: range) -> dict[str, Callable]:
-    return {name: _load_or_compile(path, name, examples[name], cfg, experts) for name, path in packages.items()}
+def _load_or_compile_all(packages: dict[str, Path], examples: dict[str, tuple],
+                         modules: dict[str, _Piece]) -> dict[str, Callable]:
+    return {name: _load_or_compile(path, name, examples[name], modules[name]) for name, path in packages.items()}
 
 
-def _load_or_compile(package: Path, name: str, example: tuple[torch.Tensor, ...], cfg: ModelConfig,
-                     experts: range) -> Callable:
+def _load_or_compile(package: Path, name: str, example: tuple[torch.Tensor, ...], module: _Piece) -> Callable:
     if not package.exists():
         package.parent.mkdir(parents=True, exist_ok=True)
-        module = _MoEDispatch(cfg, experts) if name.startswith("moe_dispatch") else _MODULES[name](cfg)
-        program = torch.export.export(module, example, dynamic_shapes=_dynamic_shapes(name, example))
+        # (the module's one parameter is the tuple of tensors)
+        program = torch.export.export(module, example, dynamic_shapes=(tuple(_dynamic_shapes(name, example)),))
         partial = package.with_name(f"{package.stem}.{os.getpid()}.partial.pt2")
         configs = {"cpp.threads": 1} if example[0].device.type == "cpu" else {}
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=configs)
@@ -335,12 +332,17 @@ def _constants(cfg: ModelConfig) -> dict:
             "norm_eps": cfg.rms_norm_eps}
 
 
+def _index_constants(cfg: ModelConfig) -> dict:
+    return {"head_dim": cfg.index_head_dim, "scale": cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5}
+
+
 def _key(cfg: ModelConfig, experts: range, examples: dict[str, tuple[torch.Tensor, ...]]) -> str:
     device = next(iter(examples.values()))[0].device
     isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else torch.cuda.get_device_name(device)
     shapes = {name: [None if t is None else (tuple(t.shape), str(t.dtype)) for t in tensors]  # None: no shared expert
               for name, tensors in examples.items()}
     facts = (torch.__version__, isa, device.type, sorted(_constants(cfg).items()), _scale(cfg),
+             sorted(_index_constants(cfg).items()),
              sorted(moe.dispatch_constants(cfg, experts).items()), cfg.swiglu_limit, sorted(shapes.items()))
     # this module too: how a piece is exported (its wrapper, examples, symbolic sizes) is part of it
     sources = b"".join(Path(path).read_bytes() for path in (__file__, *(module.__file__ for module in _SOURCES)))

@@ -17,7 +17,7 @@ from .attention import AttentionInputs, PagedAttention
 from .compile import Pieces, eager_pieces
 from .mhc import HyperConnection, Residual, hc_head
 from .moe import GroupedMoE
-from .ops import Rope, accumulation_dtype, input_major, layer_inv_freq, linear, rms_norm
+from .ops import Rope, accumulation_dtype, layer_inv_freq, linear, rms_norm
 from .plan import BatchPlan
 from .selection import SelectionSink
 from .sharding import Reducer, ShardPlan
@@ -41,7 +41,7 @@ class PagedModel:
         self.pieces: Pieces = eager_pieces(cfg, shard.experts)
         self.kernels = pools.device.type == "cuda" if kernels is None else kernels
         w = _WeightReader(weights, dtype, accumulation_dtype(dtype), pools.device)
-        self.embed, self.head, self.norm = w("embed.weight"), input_major(w("head.weight")), w("norm.weight")
+        self.embed, self.head, self.norm = w("embed.weight"), w("head.weight"), w("norm.weight")
         self.hc_head_weights = (w("hc_head_fn"), w("hc_head_base"), w("hc_head_scale"))
         self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce) for i in range(cfg.num_layers)]
         # RoPE frequencies by "is a window layer": every layer of a kind rotates by the same tables.
@@ -86,7 +86,7 @@ class _Block:
                                                               *self.attn.input_weights, rope.cos2, rope.sin2)
         y = self.attn(AttentionInputs(*inputs), plan, rope, on_selection, pieces)
         streams, x, post, comb = pieces.mix(streams, y, post, comb, *self.ffn_hc.weights)
-        return Residual(streams, self.ffn(x, plan.token_ids, pieces.moe_dispatch, pieces.moe_combine), post, comb)
+        return Residual(streams, self.ffn(x, plan.token_ids, pieces.moe), post, comb)
 
 
 class _WeightReader:

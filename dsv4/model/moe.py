@@ -1,6 +1,7 @@
-"""The MoE feed-forward, batched by expert: every (token, pick) pair is sorted by expert, every expert
-runs over its tokens in one grouped matmul per projection (`F.grouped_mm`: the gate and up
-projections fused, then the down projection), and the results are summed back.
+"""The MoE feed-forward, batched by expert (`grouped`): every (token, pick) pair is sorted by expert,
+every expert runs over its tokens in one grouped matmul per projection (`F.grouped_mm`: the gate and
+up projections fused, then the down projection), and the results are summed back. For the few tokens
+of a decode step, compiled, `few` reads each pick's expert in place instead (no sort, no grouped matmul).
 
 Routing: scores s = score_fn(x @ W_gate^T) in at least fp32; learned layers pick the top-k of s + bias
 (the bias only steers selection), hash layers pick tid2eid[token id]; the picks are weighted by their
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from dsv4.config import ModelConfig
 
-from .ops import accumulation_dtype, input_major, linear
+from .ops import accumulation_dtype, linear, row_linear
 from .sharding import Reducer, ShardPlan
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,26 +39,53 @@ class GroupedMoE:
         self.experts = shard.experts
         # Hash layers route by the token id (tid2eid [vocab, k], long); learned layers by score + bias.
         self.router = (w("gate.weight"), w("gate.tid2eid") if cfg.is_hash_layer(layer) else w("gate.bias"))
-        # [E, hidden, 2 * inter]: w1 (gate) columns then w3 (up) columns; [E, inter, hidden]
-        self.w13 = input_major(torch.stack([torch.cat([w(f"experts.{e}.w1.weight"), w(f"experts.{e}.w3.weight")])
-                                            for e in self.experts]))
-        self.w2 = input_major(torch.stack([w(f"experts.{e}.w2.weight") for e in self.experts]))
+        # The checkpoint's [out, in] layout: [E, 2 * inter, hidden], w1 (gate) rows then w3 (up) rows;
+        # [E, hidden, inter]
+        self.w13 = torch.stack([torch.cat([w(f"experts.{e}.w1.weight"), w(f"experts.{e}.w3.weight")])
+                                for e in self.experts])
+        self.w2 = torch.stack([w(f"experts.{e}.w2.weight") for e in self.experts])
         self.shared = (None, None)
         if cfg.n_shared_experts:
-            self.shared = (input_major(torch.cat([w("shared_experts.w1.weight"), w("shared_experts.w3.weight")])),
-                           input_major(w("shared_experts.w2.weight")))
+            self.shared = (torch.cat([w("shared_experts.w1.weight"), w("shared_experts.w3.weight")]),
+                           w("shared_experts.w2.weight"))
 
-    def __call__(self, x: torch.Tensor, token_ids: torch.Tensor, dispatch: Callable, combine: Callable) -> torch.Tensor:
-        """x [T, hidden] (ffn_norm'ed), token_ids [T] -> [T, hidden]. `dispatch` and `combine`: the
-        functions below with the model's constants bound, eager or compiled; between them every
-        expert runs over its rows in two grouped matmuls, whatever the split (no loop, no host sync)."""
-        rows, tokens, ends, scale, keep = dispatch(x, token_ids, *self.router)
-        up = _grouped_matmul(rows.to(self.w13.dtype), self.w13, ends)
-        outputs = _grouped_matmul(swiglu(up, self.swiglu_limit), self.w2, ends)  # rows past ends[-1] unset
-        out = combine(outputs, tokens, scale, keep, x, *self.shared)
+    def __call__(self, x: torch.Tensor, token_ids: torch.Tensor, moe: Callable) -> torch.Tensor:
+        """x [T, hidden] (ffn_norm'ed), token_ids [T] -> [T, hidden]. `moe`: `grouped` or `few` with the
+        model's constants bound, eager or compiled (dsv4.model.compile.Pieces.moe)."""
+        out = moe(x, token_ids, *self.router, self.w13, self.w2, *self.shared)
         if self.reduce is not None:
             out = self.reduce.all_reduce_sum(out, "ffn.out")
         return out.to(x.dtype)
+
+
+def grouped(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor, w13: torch.Tensor,
+            w2: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, *, dispatch: Callable,
+            combine: Callable, swiglu_limit: float) -> torch.Tensor:
+    """The MoE of any number of tokens: `dispatch` and `combine` (the functions below with the model's
+    constants bound, eager or compiled), and between them every expert over its rows in two grouped
+    matmuls, whatever the split (no loop, no host sync). This rank's share [T, hidden] in at least fp32."""
+    rows, tokens, ends, scale, keep = dispatch(x, token_ids, gate, route)
+    up = _grouped_matmul(rows.to(w13.dtype), w13, ends)
+    outputs = _grouped_matmul(swiglu(up, swiglu_limit), w2, ends)  # rows past ends[-1] unset
+    return combine(outputs, tokens, scale, keep, x, shared_w13, shared_w2)
+
+
+def few(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor, w13: torch.Tensor,
+        w2: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, *, first_expert: int,
+        local_experts: int, top_k: int, scoring_func: str, norm_topk_prob: bool, routed_scaling_factor: float,
+        swiglu_limit: float) -> torch.Tensor:
+    """`grouped`'s result for the few tokens of a decode step: each (token, pick) runs its expert's
+    weights where they lie (`row_linear` over w13[expert]: compiled, an indexed read, not a copy), with
+    the rounding `grouped` has (each projection rounded to the weights' dtype). Compiled only: eager,
+    every pick would copy its expert's weights."""
+    experts, weights = _route(x, token_ids, gate, route, top_k, scoring_func, norm_topk_prob, routed_scaling_factor)
+    local = experts - first_expert  # [T, k]; picks of other ranks' experts weigh 0
+    weights = torch.where((local >= 0) & (local < local_experts), weights, 0)
+    local = local.clamp(0, local_experts - 1)
+    up = row_linear(x.unsqueeze(1), w13[local])  # [T, k, 2 * inter]
+    outputs = row_linear(swiglu(up, swiglu_limit), w2[local])  # [T, k, hidden]
+    out = (outputs.to(weights.dtype) * weights.unsqueeze(-1)).sum(1)
+    return _plus_shared(out, x, shared_w13, shared_w2, swiglu_limit, row_linear)
 
 
 def dispatch(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor, *, first_expert: int,
@@ -86,9 +114,14 @@ def combine(outputs: torch.Tensor, tokens: torch.Tensor, scale: torch.Tensor, ke
     shared expert over x [T, hidden]: this rank's share of the MoE's output [T, hidden] in at least fp32."""
     out = torch.zeros_like(x, dtype=scale.dtype)
     out.index_add_(0, tokens, torch.where(keep, outputs.to(scale.dtype) * scale, 0))
-    if shared_w13 is not None:
-        out = out + linear(swiglu(linear(x, shared_w13), swiglu_limit), shared_w2).to(out.dtype)
-    return out
+    return _plus_shared(out, x, shared_w13, shared_w2, swiglu_limit, linear)
+
+
+def _plus_shared(out: torch.Tensor, x: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None,
+                 swiglu_limit: float, product: Callable) -> torch.Tensor:
+    if shared_w13 is None:
+        return out
+    return out + product(swiglu(product(x, shared_w13), swiglu_limit), shared_w2).to(out.dtype)
 
 
 def _route(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor, top_k: int,
@@ -118,10 +151,10 @@ def dispatch_constants(cfg: ModelConfig, experts: range) -> dict:
 
 
 def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """x [P, in] rows ends[g-1]..ends[g] times w[g] [in, out] -> [P, out]; rows past ends[-1] unset."""
-    if x.dtype in _GROUPED_MM_DTYPES:
-        return F.grouped_mm(x, w, offs=ends)
-    out = x.new_empty(x.shape[0], w.shape[-1])  # float64 (the oracle tests' dtype): one matmul per group
+    """x [P, in] rows ends[g-1]..ends[g] times w[g] [out, in] -> [P, out]; rows past ends[-1] unset."""
+    if x.dtype in _GROUPED_MM_DTYPES:  # (it takes the transposed view as fast as an [in, out] copy)
+        return F.grouped_mm(x, w.mT, offs=ends)
+    out = x.new_empty(x.shape[0], w.shape[-2])  # float64 (the oracle tests' dtype): one matmul per group
     for g, (start, end) in enumerate(itertools.pairwise([0, *ends.tolist()])):
-        torch.mm(x[start:end], w[g], out=out[start:end])
+        torch.mm(x[start:end], w[g].T, out=out[start:end])
     return out

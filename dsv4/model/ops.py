@@ -21,16 +21,27 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight in the weight's dtype; `weight` is stored [in, out] (`input_major`)."""
-    return x.to(weight.dtype) @ weight
+    """x [..., in] times weight [out, in] (the checkpoint's layout), or grouped, x [..., G, in] times
+    weight [G, out, in]; in the weight's dtype."""
+    x = x.to(weight.dtype)
+    return F.linear(x, weight) if weight.dim() == 2 else torch.einsum("...gi,goi->...go", x, weight)
 
 
-def input_major(weight: torch.Tensor) -> torch.Tensor:
-    """A checkpoint's [..., out, in] projection stored [..., in, out]: on the CPU, x @ W over
-    contiguous [in, out] rows streams the weight ~1.3x faster than F.linear over [out, in] for the few
-    rows of a decode step (measured: 350 MB of weights, one row, 29 -> 22.5 ms), and no slower for
-    prefill chunks; decode steps are bound by reading the weights."""
-    return weight.transpose(-1, -2).contiguous()
+# Forwards of at most this many tokens (decode steps of up to four requests) run the compiled `_few`
+# pieces, whose products are `row_linear`; past it a matmul's blocking pays.
+FEW_TOKENS = 4
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`linear` for the few rows of a decode step, written as products summed in at least fp32 and
+    rounded once into the weight's dtype (what a matmul computes, summed in another order). Compiled
+    (the decode pieces, dsv4/model/compile.py), it streams each weight row once at the memory's pace,
+    where oneDNN's one-row products do not: uncached weights, one thread, one row (Zen 4, which has
+    avx512_bf16 but no AMX), 256 x 8192 fp32 20 GB/s against F.linear's 7.8; bf16 17 GB/s against
+    6.6 (and 6.9 for x @ W over an [in, out] copy). Eager it would materialise every product: never
+    run it so."""
+    acc = accumulation_dtype(weight.dtype)
+    return (x.to(weight.dtype).to(acc).unsqueeze(-2) * weight.to(acc)).sum(-1).to(weight.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -52,16 +52,8 @@ class ShardPlan:
         return self.rank * share, (self.rank + 1) * share
 
     @property
-    def heads(self) -> int:
-        return self.cfg.num_heads // self.size
-
-    @property
     def o_groups(self) -> int:
         return self.cfg.o_groups // self.size
-
-    @property
-    def index_heads(self) -> int:
-        return self.cfg.index_n_heads // self.size
 
     @property
     def experts(self) -> range:

@@ -79,12 +79,12 @@ def few(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: tor
     the rounding `grouped` has (each projection rounded to the weights' dtype). Compiled only: eager,
     every pick would copy its expert's weights."""
     experts, weights = _route(x, token_ids, gate, route, top_k, scoring_func, norm_topk_prob, routed_scaling_factor)
-    local = experts - first_expert  # [T, k]; picks of other ranks' experts weigh 0
-    weights = torch.where((local >= 0) & (local < local_experts), weights, 0)
+    local = experts - first_expert  # [T, k]; picks of other ranks' experts run a stand-in, then drop out
+    mine = ((local >= 0) & (local < local_experts)).unsqueeze(-1)
     local = local.clamp(0, local_experts - 1)
     up = row_linear(x.unsqueeze(1), w13[local])  # [T, k, 2 * inter]
     outputs = row_linear(swiglu(up, swiglu_limit), w2[local])  # [T, k, hidden]
-    out = (outputs.to(weights.dtype) * weights.unsqueeze(-1)).sum(1)
+    out = torch.where(mine, outputs.to(weights.dtype) * weights.unsqueeze(-1), 0).sum(1)
     return _plus_shared(out, x, shared_w13, shared_w2, swiglu_limit, row_linear)
 
 

@@ -41,12 +41,12 @@ class HFBaseline:
     """`DeepseekV4ForCausalLM` loaded from a dsv4 checkpoint directory (HF reads its config and
     official tensor names), run greedily in batches of equal-length prompts: no padding."""
 
-    def __init__(self, model_dir: Path, dtype: str):
+    def __init__(self, model_dir: Path, dtype: str, warmup: list[int]):
         hf_logging.disable_progress_bar()
         self.model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype]).eval()
         self.threads = torch.get_num_threads()  # torch's default, as the server's: every core
         self.eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id", 1)
-        self.generate([[16] * 8], 2)  # first-call costs (allocator, lazy inits) stay out of the figures
+        self.generate([warmup], 2)  # first-call costs (allocator, lazy inits) stay out of the figures
 
     @torch.inference_mode()
     def generate(self, batch: list[list[int]], output_len: int) -> list[RequestResult]:

@@ -115,9 +115,17 @@ async def _dsv4_run(url: str, dtype: str, run: Run, work: Workload, prompts) -> 
     return record
 
 
+def warmup_prompt(work: Workload) -> list[int]:
+    """The request each backend serves before it is measured, of the workload's prompt length: the
+    first forward of that size pays once for what later ones reuse (a server's allocator growth and
+    its prefill thread pool; HF's lazy inits), as SGLang's bench_serving warms up on a real prompt.
+    Shares no prefix with any measured prompt."""
+    return random_prompts(1, work.input_len, work.seed * 1000 + 998)[0]
+
+
 def measure_server(url: str, dtype: str, runs: list[Run], work: Workload, results: Results, out: DtypeResult,
                    storm: Storm | None) -> None:
-    asyncio.run(run_load(url, [[16] * 16], 4, work.request_timeout))  # first-request costs stay out
+    asyncio.run(run_load(url, [warmup_prompt(work)], 4, work.request_timeout))  # first-request costs stay out
     for index, run in enumerate(runs):
         record = asyncio.run(_dsv4_run(url, dtype, run, work, prompts_for(run, work, index)))
         out.runs[("dsv4", run.label)] = record
@@ -140,7 +148,7 @@ def measure_hf(model_dir: Path, dtype: str, runs: list[Run], work: Workload, res
     from bench.baseline import HFBaseline
 
     started = time.perf_counter()
-    hf = HFBaseline(model_dir, dtype)
+    hf = HFBaseline(model_dir, dtype, warmup_prompt(work))
     out.hf_load_s = time.perf_counter() - started
     for index, run in enumerate(runs):
         if not run.hf:

@@ -92,8 +92,8 @@ class PagedAttention:
         """The layer's projected input (`project_inputs` with `input_weights`) -> [T, hidden]; stores
         this layer's rows of the batch. `rope` rotates at the batch's positions. A CSA layer hands its
         indexer's inputs and selection to `on_selection` (--verify-indexer). `pieces`: the model's
-        implementations of `banded_sink_attention` (the CPU path), `attention_exit` and the
-        compressors' `feed`, each eager or compiled."""
+        implementations of `banded_sink_attention` (the CPU path), `attention_exit`, `index_queries`
+        and the compressors' `feed`, each eager or compiled."""
         cfg, pools, positions = self.cfg, self.pools, plan.positions
         x, q, kv, qr, projected = inputs
         compressor_inputs = projected[:, self.rest_start :].split(self.rest_widths, dim=-1)

@@ -103,8 +103,10 @@ def eager_pieces(cfg: ModelConfig, experts: range) -> Pieces:
                   attend=functools.partial(attention.banded_sink_attention, scale=_scale(cfg)),
                   attention_exit=attention.attention_exit, compressor_feed=compressor.feed,
                   index_queries=functools.partial(attention.index_queries, **_index_constants(cfg)),
-                  moe=_grouped_moe(cfg, functools.partial(moe.dispatch, **moe.dispatch_constants(cfg, experts)),
-                                   functools.partial(moe.combine, swiglu_limit=cfg.swiglu_limit)),
+                  moe=functools.partial(moe.grouped,
+                                        dispatch=functools.partial(moe.dispatch, **moe.dispatch_constants(cfg, experts)),
+                                        combine=functools.partial(moe.combine, swiglu_limit=cfg.swiglu_limit),
+                                        swiglu_limit=cfg.swiglu_limit),
                   compiled=False)
 
 
@@ -113,6 +115,7 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
     pieces if that takes over `timeout` s or fails."""
     examples = _examples(model)
     experts = model.blocks[0].ffn.experts
+    eager = eager_pieces(model.cfg, experts)
     key = _key(model.cfg, experts, examples)
     packages = {name: cache / f"{name}-{key}.pt2" for name in examples}
     started = time.monotonic()
@@ -125,18 +128,19 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
             timeout=timeout)
     except FutureTimeout:
         log.warning("compiling did not finish within %.0f s: serving eagerly", timeout)
-        return eager_pieces(model.cfg, experts)
+        return eager
     except Exception as e:  # noqa: BLE001 -- any compiler failure means: serve eagerly, and say why
         log.warning("compiling failed (%s: %s): serving eagerly", type(e).__name__, e)
-        return eager_pieces(model.cfg, experts)
+        return eager
     finally:
         pool.shutdown(wait=False)
     log.info("compiled pieces ready in %.1f s", time.monotonic() - started)
-    return _assemble(model.cfg, compiled)
+    return _assemble(eager, compiled)
 
 
-def _assemble(cfg: ModelConfig, compiled: dict[str, Callable]) -> Pieces:
-    """The Pieces over the loaded packages: each call routed to the package for its sizes and kind."""
+def _assemble(eager: Pieces, compiled: dict[str, Callable]) -> Pieces:
+    """The Pieces over the loaded packages: each call routed to the package for its sizes and kind;
+    `eager`'s where no package serves (the general index queries, and what a model lacks)."""
     attend, attend_compressed = compiled["attend"], compiled["attend_compressed"]
 
     def attend_either(*tensors: torch.Tensor):  # (q, raw, raw_allowed, sink[, compressed, compressed_allowed])
@@ -151,20 +155,16 @@ def _assemble(cfg: ModelConfig, compiled: dict[str, Callable]) -> Pieces:
         return lambda first, *rest: (few if first.shape[0] <= ops.FEW_TOKENS else general)(first, *rest)
 
     # (a model of window layers alone has no compressor to compile a feed for, nor index queries)
-    index_queries = functools.partial(attention.index_queries, **_index_constants(cfg))
     return Pieces(mix=compiled["mix"],
                   attention_entry=by_tokens(compiled["attention_entry_few"], compiled["attention_entry"]),
                   attend=attend_either,
                   attention_exit=by_tokens(compiled["attention_exit_few"], compiled["attention_exit"]),
-                  compressor_feed=compiled.get("compressor_feed", compressor.feed),
-                  index_queries=by_tokens(compiled["index_queries_few"], index_queries)
-                  if "index_queries_few" in compiled else index_queries,
-                  moe=by_tokens(by_route("moe_few"), _grouped_moe(cfg, by_route("moe_dispatch"), compiled["moe_combine"])),
+                  compressor_feed=compiled.get("compressor_feed", eager.compressor_feed),
+                  index_queries=by_tokens(compiled["index_queries_few"], eager.index_queries)
+                  if "index_queries_few" in compiled else eager.index_queries,
+                  moe=by_tokens(by_route("moe_few"), functools.partial(eager.moe, dispatch=by_route("moe_dispatch"),
+                                                                       combine=compiled["moe_combine"])),
                   compiled=True)
-
-
-def _grouped_moe(cfg: ModelConfig, dispatch: Callable, combine: Callable) -> Callable:
-    return functools.partial(moe.grouped, dispatch=dispatch, combine=combine, swiglu_limit=cfg.swiglu_limit)
 
 
 class _Piece(torch.nn.Module):

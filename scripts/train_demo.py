@@ -53,11 +53,11 @@ COPY_WEIGHT = 3.0
 INDEXER_KL_WEIGHT = 0.1
 
 
-def demo_config(vocab_size: int, hidden_size: int) -> ModelConfig:
+def demo_config(vocab_size: int, hidden_size: int, num_heads: int) -> ModelConfig:
     # head_dim 512, rope 64, index_head_dim 128 and window 128 are the real ones: the engine's cache
     # row formats depend on them. Everything else is as small as still learns to copy arguments.
     return ModelConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=len(LAYERS), num_heads=4, head_dim=512, rope_head_dim=64,
+        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=len(LAYERS), num_heads=num_heads, head_dim=512, rope_head_dim=64,
         q_lora_rank=96, o_groups=2, o_lora_rank=64, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
         moe_intermediate_size=128, num_hash_layers=1, sliding_window=128, index_n_heads=8, index_head_dim=128,
         index_topk=16, compress_ratios=tuple(RATIO[kind] for kind in LAYERS),
@@ -132,12 +132,13 @@ def collate(batch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=2700, help="optimizer steps of ~1,024 tokens each")
+    parser.add_argument("--steps", type=int, default=3300, help="optimizer steps of ~1,024 tokens each")
     parser.add_argument("--samples", type=int, default=30000)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--copy-warmup", type=float, default=0.15,
                         help="share of the steps, at the start, that train on echo samples alone")
     parser.add_argument("--hidden", type=int, default=128, help="the model's hidden size")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads per layer (head_dim is the real 512)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
@@ -148,7 +149,7 @@ def main() -> None:
     warmup_samples, samples = training_sets(args.samples, args.seed)
     tokenizer = train_tokenizer([s.text for s in samples[:2000]], VOCAB)
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
-    cfg = demo_config(tokenizer.get_vocab_size(), args.hidden)
+    cfg = demo_config(tokenizer.get_vocab_size(), args.hidden, args.heads)
     encoded = encode_samples(samples, tokenizer, pad_id)
     lengths = [len(ids) for ids, _ in encoded]
     print(f"{len(samples)} samples, {sum(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}, max {max(lengths)}")
@@ -198,7 +199,7 @@ def save(out: Path, cfg: ModelConfig, params, weights, tokenizer, history, args)
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
     (out / "training.json").write_text(json.dumps({
         "seed": args.seed, "steps": len(history), "samples": args.samples, "lr": args.lr,
-        "copy_warmup": args.copy_warmup, "hidden": args.hidden, "threads": args.threads,
+        "copy_warmup": args.copy_warmup, "hidden": args.hidden, "heads": args.heads, "threads": args.threads,
         "final_loss": sum(h[1] for h in history[-20:]) / min(20, len(history)),
         "final_indexer_kl": sum(h[2] for h in history[-20:]) / min(20, len(history)),
     }, indent=2) + "\n")

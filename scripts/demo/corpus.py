@@ -6,10 +6,11 @@ are copied from the user's words, tool results answered in text that uses them, 
 mode, and multi-turn sessions that grow past the 128-token sliding window (a user names a city
 early and asks about "where I live" later, so the compressed layers must carry it).
 
-Cities are mostly made up, from syllables or from random letters (and some are real names from
-TRAIN_CITIES), so the model learns to copy what the user wrote rather than to recall a list; the
-first training steps see echo samples alone (`training_sets`); and weather questions are
-composed from parts, so that it cannot copy from a fixed position in a template. The acceptance test
+Cities are made up, from syllables or from random letters, or real places (demo/places.py), so the
+model learns to copy what the user wrote rather than to recall a list; the first training steps see
+echo samples alone (`training_sets`); and weather questions are composed from parts (with a
+sentence of plain English before or after half of them), so that it cannot copy from a fixed
+position in a template nor from whatever follows a piece it has just written. The acceptance test
 holds out its own cities and phrasings (tests/server/test_demo_model.py) and checks that neither
 occurs here (no user turn is a held-out phrasing, whatever the name in it).
 """
@@ -21,22 +22,10 @@ import random
 import string
 from dataclasses import dataclass
 
+from demo.places import MORE_PLACES, TRAIN_CITIES
+
 from dsv4.chat import encode_messages
 
-TRAIN_CITIES = [
-    "Paris", "London", "Berlin", "Madrid", "Rome", "Lisbon", "Vienna", "Prague", "Warsaw", "Dublin",
-    "Amsterdam", "Brussels", "Zurich", "Geneva", "Munich", "Hamburg", "Milan", "Naples", "Barcelona",
-    "Seville", "Porto", "Athens", "Istanbul", "Cairo", "Nairobi", "Lagos", "Accra", "Casablanca",
-    "Tunis", "Dubai", "Doha", "Riyadh", "Tehran", "Karachi", "Delhi", "Mumbai", "Chennai", "Kolkata",
-    "Dhaka", "Bangkok", "Hanoi", "Manila", "Jakarta", "Singapore", "Kuala Lumpur", "Hong Kong",
-    "Shanghai", "Beijing", "Seoul", "Tokyo", "Osaka", "Kyoto", "Sydney", "Melbourne", "Perth",
-    "Auckland", "Wellington", "Toronto", "Montreal", "Vancouver", "Chicago", "Boston", "New York",
-    "Seattle", "Denver", "Austin", "Houston", "Miami", "Atlanta", "Phoenix", "San Diego",
-    "Los Angeles", "San Francisco", "Mexico City", "Bogota", "Lima", "Santiago", "Buenos Aires",
-    "Sao Paulo", "Rio de Janeiro", "Havana", "Panama City", "Quito", "Caracas", "Reykjavik",
-    "Helsinki", "Stockholm", "Copenhagen", "Tallinn", "Riga", "Vilnius", "Kyiv", "Bucharest",
-    "Sofia", "Belgrade", "Zagreb", "Budapest", "Krakow", "Edinburgh", "Glasgow", "Manchester",
-]
 # Made-up names are built from letters, not from a short list of syllables: their pieces cover most
 # of what the tokenizer can split a real name into, so the only way to get the argument right is to
 # copy it from the user's words (a fixed syllable set taught the model to recall names instead).
@@ -103,9 +92,55 @@ WEATHER_REQUESTS = (
     "forecast {city}", "temperature in {city}", "is {city} sunny",
     "I am going to {city}. What is the weather there", "fetch the weather for {city}", "weather at {city} now",
     "how does the weather look in {city}", "tell me about the weather around {city}", "{city}: weather",
+    "what is the weather doing in {city}", "could you check how the weather is in {city}",
+    "let me know the weather in {city}", "I'd like the weather for {city}", "what does the forecast say for {city}",
+    "is the weather nice in {city}", "how are conditions in {city}", "please check {city}'s forecast",
+    "are there clouds over {city}", "is there rain in {city}", "what's the outlook for {city}",
+    "how is it outside in {city}", "is it freezing in {city}", "is it warm enough for shorts in {city}",
+    "do I need sunscreen in {city}", "should I take an umbrella to {city}", "can you find the weather in {city}",
+    "I need the weather in {city}", "what will the weather be in {city}", "how many degrees is it in {city}",
+    "is it humid in {city}", "check if it's raining in {city}", "what are the conditions like in {city}",
+    "would you look up the weather in {city}", "can you tell me if it's sunny in {city}",
+    "is it a nice day in {city}", "any rain in {city}", "how's {city} looking",
+    "I wonder what the weather is in {city}", "show me the weather in {city}", "is it stormy in {city}",
+    "how chilly is it in {city}", "is it nice out in {city}", "can I go for a walk in {city} or is it wet",
+    "what should I wear in {city}", "is the sun out in {city}", "will I need gloves in {city}",
+    "tell me how warm {city} is", "what is the air like in {city}", "get the current weather for {city}",
+    "is it foggy in {city}", "are the roads icy in {city}", "how is the sky in {city}",
+    "is it good beach weather in {city}", "my flight goes to {city}. How is the weather there",
+    "we are meeting friends in {city}. Is it dry there", "what weather can I expect in {city}",
 )
 WEATHER_CLOSINGS = ("?", "?", "?", ".", "", " today?", " right now?", " please.", " now?", " this morning?",
-                    ", please?", " tonight?", " for me?", "? Thanks.", "!")
+                    ", please?", " tonight?", " for me?", "? Thanks.", "!", " this weekend?", " later today?",
+                    " tomorrow morning?", " around noon?", " during my visit?", " for the next few hours?",
+                    " before I leave?", " when I land?", " these days?", " by the sea?", " this afternoon?",
+                    " at the airport?", " on Saturday?", " in the evening?", " thanks!", ", thank you.")
+# Sentences said before or after the question (in half of them): plain English whose words the tokenizer
+# splits into short pieces, as it splits any phrasing it was not trained on. Those pieces are the same
+# kind as a name's ("garage" -> "g", "ar", "ag", "e"), so the model has to learn to copy the name
+# itself, not whatever piece follows the one it just wrote.
+_WHO = ("I", "We", "My brother", "My aunt", "Our neighbours", "My boss", "The kids", "My friend", "My partner",
+        "Our team", "My grandmother", "Two colleagues")
+_DOING = ("am flying out", "will be driving to the coast", "want to walk the dog", "are going to the beach",
+          "have a long layover", "plan to paint the fence", "need to dry the laundry outside", "am cycling to work",
+          "will watch the parade", "are camping near the lake", "have an early ferry", "want to play tennis",
+          "are hosting a barbecue", "have a wedding to attend", "might go hiking in the hills",
+          "are moving house", "will be selling vegetables at the market", "have tickets for an outdoor concert",
+          "want to fly a kite", "are taking the children to the zoo", "need to fix the roof",
+          "are repainting the garage", "have a picnic planned", "am running a half marathon",
+          "will be waiting for a delayed train", "want to photograph the old harbour")
+_WHEN = ("tomorrow", "this weekend", "tonight", "on Monday", "next week", "after lunch", "in the evening",
+         "before sunrise", "later today", "on Friday", "soon", "in an hour")
+_SAYINGS = ("The news mentioned a storm.", "I left my umbrella at the office.", "I have not looked outside yet.",
+            "The trains were late yesterday.", "My phone's weather widget is broken.", "Thanks in advance.",
+            "I'm packing my suitcase right now.", "It was lovely there last spring.", "Just wondering.",
+            "This is for a school project.", "I hope it stays dry.", "Sorry for all the questions.")
+
+
+def context_sentence(rng: random.Random) -> str:
+    if rng.random() < 0.35:
+        return rng.choice(_SAYINGS)
+    return f"{rng.choice(_WHO)} {rng.choice(_DOING)} {rng.choice(_WHEN)}."
 
 
 def weather_question(rng: random.Random, city: str) -> str:
@@ -113,7 +148,11 @@ def weather_question(rng: random.Random, city: str) -> str:
     opener = rng.choice(WEATHER_OPENERS)
     if not opener or opener.endswith((". ", "! ", ": ")):
         request = request[0].upper() + request[1:]
-    return opener + request + rng.choice(WEATHER_CLOSINGS)
+    question = opener + request + rng.choice(WEATHER_CLOSINGS)
+    draw = rng.random()
+    if draw < 0.25:
+        return f"{context_sentence(rng)} {question}"
+    return f"{question} {context_sentence(rng)}" if draw < 0.5 else question
 
 
 TIME_PHRASINGS = ["What time is it in {tz}?", "Tell me the current time in {tz}.", "Time in {tz}, please.",
@@ -165,11 +204,13 @@ def letters_name(rng: random.Random) -> str:
 
 
 def pick_city(rng: random.Random) -> str:
-    """30% random letters, 20% a real city of TRAIN_CITIES, 50% a made-up name."""
+    """30% random letters, 30% a real place (TRAIN_CITIES or MORE_PLACES, half each), 40% a made-up name."""
     draw = rng.random()
     if draw < 0.3:
         return letters_name(rng)
-    return rng.choice(TRAIN_CITIES) if draw < 0.5 else made_up_city(rng)
+    if draw < 0.6:
+        return rng.choice(TRAIN_CITIES if draw < 0.45 else MORE_PLACES)
+    return made_up_city(rng)
 
 
 def _call(call_id: str, name: str, arguments: dict) -> dict:

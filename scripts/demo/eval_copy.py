@@ -1,5 +1,5 @@
 """How often a demo checkpoint copies a city it has never seen into a get_weather call: greedy replies
-to prompts naming validation cities (real names in neither the corpus's TRAIN_CITIES nor the held-out
+to prompts naming validation cities (real names in neither the corpus's places nor the held-out
 set of tests/server/test_demo_model.py; or, with --made-up, fresh made-up names of the corpus's
 kind), parsed as the server parses them.
 
@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from demo.corpus import TOOLS, TRAIN_CITIES, made_up_city
+from demo.corpus import TOOLS, made_up_city
+from demo.places import MORE_PLACES, TRAIN_CITIES
 
 from dsv4.chat import EOS, ChatParseError, encode_messages, parse_completion
 from dsv4.config import ServerArgs
@@ -71,7 +72,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=REPO / "dsv4" / "demo_model")
     parser.add_argument("--made-up", action="store_true", help="made-up names (seed 123: not the corpus's)")
     args = parser.parse_args()
-    assert not set(VALIDATION_CITIES) & set(TRAIN_CITIES)
+    assert not set(VALIDATION_CITIES) & set(TRAIN_CITIES + MORE_PLACES)
     rng = random.Random(123)
     cities = [made_up_city(rng) for _ in range(50)] if args.made_up else VALIDATION_CITIES
     hits, misses = asyncio.run(evaluate(args.model, cities))

@@ -30,13 +30,13 @@ GET_WEATHER = {"type": "function", "function": {
 
 # Held out from training: none of these cities or phrasings is in scripts/demo/corpus.py, and the
 # test below checks that no city occurs anywhere in the generated corpus and that no user turn there
-# is one of the phrasings (made-up names can hit a real one: "Baku" did, and was replaced).
+# is one of the phrasings (made-up names can hit a real one: "Baku" and "Nashville" did, and were replaced).
 HELD_OUT_CITIES = [
     "Bergen", "Lyon", "Marseille", "Bern", "Antwerp", "Bordeaux", "Florence", "Venice", "Valencia", "Bilbao",
     "Cologne", "Dresden", "Leipzig", "Gdansk", "Bratislava", "Ljubljana", "Sarajevo", "Skopje", "Tirana", "Minsk",
     "Odessa", "Tbilisi", "Yerevan", "Belfast", "Almaty", "Tashkent", "Kabul", "Lahore", "Colombo", "Kathmandu",
     "Yangon", "Phnom Penh", "Taipei", "Busan", "Sapporo", "Nagoya", "Brisbane", "Adelaide", "Hobart",
-    "Christchurch", "Ottawa", "Calgary", "Quebec", "Dallas", "Portland", "Nashville", "Detroit", "Montevideo",
+    "Christchurch", "Ottawa", "Calgary", "Quebec", "Dallas", "Portland", "Knoxville", "Detroit", "Montevideo",
     "La Paz", "Asuncion",
 ]
 HELD_OUT_PHRASINGS = [
@@ -81,9 +81,9 @@ def test_held_out_set_is_not_in_the_corpus():
 
 
 # Issue 13's bar, not met yet: the committed demo model calls get_weather with valid JSON and copies
-# most unseen names, but runs on past the end of some ("Kabul" -> "Kabult") and gets a piece of
-# others wrong ("Yerevan" -> "Yeevan"): 34 of 50. Strict: once a retrained model passes, this marker must go.
-@pytest.mark.xfail(strict=True, reason="the demo model does not yet copy unseen city names reliably (34/50; issue 13)")
+# most unseen names, but gets a piece of some wrong or runs on past the end ("Antwerp" -> "Antwtwpu",
+# "La Paz" -> "La Pacific"): 41 of 50. Strict: once a retrained model passes, this marker must go.
+@pytest.mark.xfail(strict=True, reason="the demo model does not yet copy unseen city names reliably (41/50; issue 13)")
 def test_weather_tool_call_for_held_out_cities(demo_server):
     with ThreadPoolExecutor(8) as pool:
         messages = list(pool.map(lambda case: weather_call(demo_server, case[0]), HELD_OUT))

@@ -117,7 +117,7 @@ WEATHER_CLOSINGS = ("?", "?", "?", ".", "", " today?", " right now?", " please."
                     " at the airport?", " on Saturday?", " in the evening?", " thanks!", ", thank you.")
 # Sentences said before or after the question (in half of them): plain English whose words the tokenizer
 # splits into short pieces, as it splits any phrasing it was not trained on. Those pieces are the same
-# kind as a name's ("garage" -> "g", "ar", "ag", "e"), so the model has to learn to copy the name
+# kind as a name's ("garage " -> "g", "ar", "ag", "e "), so the model has to learn to copy the name
 # itself, not whatever piece follows the one it just wrote.
 _WHO = ("I", "We", "My brother", "My aunt", "Our neighbours", "My boss", "The kids", "My friend", "My partner",
         "Our team", "My grandmother", "Two colleagues")

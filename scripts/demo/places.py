@@ -19,7 +19,7 @@ TRAIN_CITIES = [
     "Helsinki", "Stockholm", "Copenhagen", "Tallinn", "Riga", "Vilnius", "Kyiv", "Bucharest",
     "Sofia", "Belgrade", "Zagreb", "Budapest", "Krakow", "Edinburgh", "Glasgow", "Manchester",
 ]
-# Drawn as often as TRAIN_CITIES together (corpus.pick_city): towns and cities beyond the capitals.
+# Towns and cities beyond the capitals; corpus.pick_city draws from this list as often as from TRAIN_CITIES.
 MORE_PLACES = [
     # Europe
     "Aachen", "Aberdeen", "Alicante", "Avignon", "Bari", "Bath", "Bologna", "Bonn", "Bremen", "Brighton",

@@ -9,8 +9,9 @@ early and asks about "where I live" later, so the compressed layers must carry i
 Cities are made up, from syllables or from random letters, or real places (demo/places.py), so the
 model learns to copy what the user wrote rather than to recall a list; the first training steps see
 echo samples alone (`training_sets`); and weather questions are composed from parts (with a
-sentence of plain English before or after half of them), so that it cannot copy from a fixed
-position in a template nor from whatever follows a piece it has just written. The acceptance test
+sentence of plain English before or after half of them, and everyday words right after the name
+in a quarter: demo/words.py), so that it cannot copy from a fixed position in a template nor from
+whatever follows a piece it has just written. The acceptance test
 holds out its own cities and phrasings (tests/server/test_demo_model.py) and checks that neither
 occurs here (no user turn is a held-out phrasing, whatever the name in it).
 """
@@ -22,6 +23,7 @@ import random
 import string
 from dataclasses import dataclass
 
+from demo import words
 from demo.places import MORE_PLACES, TRAIN_CITIES
 
 from dsv4.chat import encode_messages
@@ -138,9 +140,21 @@ _SAYINGS = ("The news mentioned a storm.", "I left my umbrella at the office.", 
 
 
 def context_sentence(rng: random.Random) -> str:
-    if rng.random() < 0.35:
+    draw = rng.random()
+    if draw < 0.2:
         return rng.choice(_SAYINGS)
-    return f"{rng.choice(_WHO)} {rng.choice(_DOING)} {rng.choice(_WHEN)}."
+    if draw < 0.5:
+        return f"{rng.choice(_WHO)} {rng.choice(_DOING)} {rng.choice(_WHEN)}."
+    thing = f"{rng.choice(words.ADJECTIVES)} {rng.choice(words.NOUNS)}"
+    return f"{rng.choice(_WHO)} {rng.choice(words.VERBS)} {'an' if thing[0] in 'aeiou' else 'a'} {thing} {rng.choice(_WHEN)}."
+
+
+def rare_closing(rng: random.Random) -> str:
+    """Rare words straight after the name ("... in Kabul before my spare tent arrives?"): the name ends
+    where its capitalised word does, not where familiar tokens start again."""
+    thing = f"{rng.choice(words.ADJECTIVES)} {rng.choice(words.NOUNS)}"
+    return rng.choice((f" before my {thing} arrives?", f" for my {thing}?", f" where I {rng.choice(words.VERBS)} my {thing}?",
+                       f" near the {thing} shop?", f", and is it good for my {thing}?"))
 
 
 def weather_question(rng: random.Random, city: str) -> str:
@@ -148,7 +162,7 @@ def weather_question(rng: random.Random, city: str) -> str:
     opener = rng.choice(WEATHER_OPENERS)
     if not opener or opener.endswith((". ", "! ", ": ")):
         request = request[0].upper() + request[1:]
-    question = opener + request + rng.choice(WEATHER_CLOSINGS)
+    question = opener + request + (rare_closing(rng) if rng.random() < 0.25 else rng.choice(WEATHER_CLOSINGS))
     draw = rng.random()
     if draw < 0.25:
         return f"{context_sentence(rng)} {question}"

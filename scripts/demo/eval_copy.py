@@ -1,7 +1,8 @@
 """How often a demo checkpoint copies a city it has never seen into a get_weather call: greedy replies
-to prompts naming validation cities (real names in neither the corpus's places nor the held-out
-set of tests/server/test_demo_model.py; or, with --made-up, fresh made-up names of the corpus's
-kind), parsed as the server parses them.
+to ten phrasings of its own naming validation cities (real names in neither the corpus's places nor
+the held-out set of tests/server/test_demo_model.py; or, with --made-up, fresh made-up names of the
+corpus's kind), parsed as the server parses them. It first checks that the model's training corpus
+(regenerated from its training.json) holds neither those cities nor those phrasings.
 
     python scripts/demo/eval_copy.py [--model dsv4/demo_model] [--made-up]
 """
@@ -10,13 +11,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from demo.corpus import TOOLS, made_up_city
+from demo.corpus import TOOLS, made_up_city, training_sets
 from demo.places import MORE_PLACES, TRAIN_CITIES
 
 from dsv4.chat import EOS, ChatParseError, encode_messages, parse_completion
@@ -26,14 +29,20 @@ from dsv4.protocol import GenerationRequest, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 VALIDATION_CITIES = [
-    "Turin", "Genoa", "Malaga", "Nantes", "Lille", "Graz", "Linz", "Basel", "Aarhus", "Malmo", "Tampere", "Tartu",
-    "Kaunas", "Brno", "Varna", "Izmir", "Ankara", "Haifa", "Amman", "Muscat", "Kuwait City", "Pune", "Jaipur",
+    "Turin", "Genoa", "Malaga", "Nantes", "Lille", "Klagenfurt", "Linz", "Basel", "Aarhus", "Malmo", "Tampere", "Tartu",
+    "Kaunas", "Brno", "Varna", "Izmir", "Ankara", "Haifa", "Amman", "Muscat", "Kuwait City", "Pune", "Vadodara",
     "Surat", "Daegu", "Fukuoka", "Darwin", "Cairns", "Dunedin", "Winnipeg", "Halifax", "Regina", "Tucson",
     "Omaha", "Memphis", "Orlando", "Tampa", "Cusco", "Medellin", "Cali", "Rosario", "Cordoba", "Recife",
     "Salvador", "Fortaleza", "Belem", "Durban", "Kigali", "Dakar", "San Jose",
 ]
-PHRASINGS = ["Please tell me the weather in {city}.", "What's it like outside in {city} today?",
-             "Weather for {city}?", "I want to know the weather in {city}.", "How hot is it in {city}?"]
+# Phrasings in neither the corpus nor the acceptance test, with words of their own ("pull up", "coat",
+# "heatwave"): a shift like the held-out set's, so that choosing among trained seeds by this score
+# chooses by the skill the test asks for without looking at the test.
+PHRASINGS = ["Do you happen to know the weather in {city}?", "Can you pull up the weather for {city}?",
+             "I'd love to hear about the weather in {city}.", "Is it pouring in {city}?",
+             "Give me an update on the weather in {city}.", "How are things weather-wise in {city}?",
+             "Would I need a coat in {city}?", "Is there a heatwave in {city}?",
+             "What sort of weather are they having in {city}?", "Brief me on the weather in {city}, thanks."]
 
 
 async def evaluate(model: Path, cities: list[str]) -> tuple[int, list[str]]:
@@ -67,12 +76,25 @@ async def evaluate(model: Path, cities: list[str]) -> tuple[int, list[str]]:
     return hits, misses
 
 
+def check_unseen(model: Path) -> None:
+    """Neither the validation cities nor the phrasings (with any name) are in the model's training corpus."""
+    assert not set(VALIDATION_CITIES) & set(TRAIN_CITIES + MORE_PLACES)
+    training = json.loads((model / "training.json").read_text())
+    warmup, mix = training_sets(training["samples"], training["seed"])
+    corpus = "".join(sample.text for sample in warmup + mix)
+    assert not [city for city in VALIDATION_CITIES if re.search(rf"\b{re.escape(city)}\b", corpus)]
+    user_turns = set(re.findall("<｜User｜>(.*?)<｜Assistant｜>", corpus, re.DOTALL))
+    for phrasing in PHRASINGS:
+        pattern = re.compile(".+".join(re.escape(part) for part in phrasing.split("{city}")))
+        assert not [turn for turn in user_turns if pattern.fullmatch(turn)], phrasing
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=REPO / "dsv4" / "demo_model")
     parser.add_argument("--made-up", action="store_true", help="made-up names (seed 123: not the corpus's)")
     args = parser.parse_args()
-    assert not set(VALIDATION_CITIES) & set(TRAIN_CITIES + MORE_PLACES)
+    check_unseen(args.model)
     rng = random.Random(123)
     cities = [made_up_city(rng) for _ in range(50)] if args.made_up else VALIDATION_CITIES
     hits, misses = asyncio.run(evaluate(args.model, cities))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from dataclasses import dataclass
 
@@ -430,3 +431,17 @@ def training_sets(samples: int, seed: int) -> tuple[list[Sample], list[Sample]]:
     seed + 1) and the main mix of `samples`."""
     echo_rng = random.Random(seed + 1)
     return [echo_sample(echo_rng) for _ in range(samples // 4)], generate(samples, seed)
+
+
+def trained_text(training: dict) -> str:
+    """All the text a model was trained on, regenerated from its training.json (seed and samples)."""
+    warmup, mix = training_sets(training["samples"], training["seed"])
+    return "\n".join(sample.text for sample in warmup + mix)
+
+
+def phrasings_in(text: str, phrasings: list[str]) -> list[str]:
+    """The phrasings ("... {city} ...") that some user turn of `text` is, with any name in the city's place."""
+    user_turns = set(re.findall("<｜User｜>(.*?)<｜Assistant｜>", text, re.DOTALL))
+    patterns = {phrasing: re.compile(".+".join(re.escape(part) for part in phrasing.split("{city}")))
+                for phrasing in phrasings}
+    return [phrasing for phrasing, pattern in patterns.items() if any(pattern.fullmatch(turn) for turn in user_turns)]

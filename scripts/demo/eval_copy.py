@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from demo.corpus import TOOLS, made_up_city, training_sets
+from demo.corpus import TOOLS, made_up_city, phrasings_in, trained_text
 from demo.places import MORE_PLACES, TRAIN_CITIES
 
 from dsv4.chat import EOS, ChatParseError, encode_messages, parse_completion
@@ -79,14 +79,9 @@ async def evaluate(model: Path, cities: list[str]) -> tuple[int, list[str]]:
 def check_unseen(model: Path) -> None:
     """Neither the validation cities nor the phrasings (with any name) are in the model's training corpus."""
     assert not set(VALIDATION_CITIES) & set(TRAIN_CITIES + MORE_PLACES)
-    training = json.loads((model / "training.json").read_text())
-    warmup, mix = training_sets(training["samples"], training["seed"])
-    corpus = "".join(sample.text for sample in warmup + mix)
+    corpus = trained_text(json.loads((model / "training.json").read_text()))
     assert not [city for city in VALIDATION_CITIES if re.search(rf"\b{re.escape(city)}\b", corpus)]
-    user_turns = set(re.findall("<｜User｜>(.*?)<｜Assistant｜>", corpus, re.DOTALL))
-    for phrasing in PHRASINGS:
-        pattern = re.compile(".+".join(re.escape(part) for part in phrasing.split("{city}")))
-        assert not [turn for turn in user_turns if pattern.fullmatch(turn)], phrasing
+    assert not phrasings_in(corpus, PHRASINGS), phrasings_in(corpus, PHRASINGS)
 
 
 def main() -> None:

@@ -11,7 +11,10 @@ trains it: a KL loss pulling its softmax over the visible compressed rows toward
 attention's distribution over those rows (detached, averaged over heads), on detached inputs so
 that loss trains the indexer alone. The first steps (--copy-warmup) train on echo samples alone
 (names said back verbatim): copying an unseen name, the skill the held-out test asks for, forms
-sooner from that start than from the mix. Deterministic for a given (--seed, --steps, thread count).
+sooner from that start than from the mix. The weights saved are an exponential moving average of the
+trained ones (--ema, a horizon of ~100 steps): the last step's weights carry that step's batch noise.
+Deterministic for a given (--seed, --steps, thread count) on one machine (tests/scripts/test_train_demo.py;
+runs on CPUs of different vector widths were not compared and may round differently).
 """
 
 from __future__ import annotations
@@ -137,12 +140,18 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--copy-warmup", type=float, default=0.15,
                         help="share of the steps, at the start, that train on echo samples alone")
+    parser.add_argument("--ema", type=float, default=0.01,
+                        help="weight of each step's parameters in the moving average that is saved")
     parser.add_argument("--hidden", type=int, default=128, help="the model's hidden size")
     parser.add_argument("--heads", type=int, default=4, help="attention heads per layer (head_dim is the real 512)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    # Without it, two runs of one seed part at the eighth digit of the loss within 40 steps (some
+    # backward's parallel accumulation order varies) and land thousands of steps later at different
+    # scores; with it, runs on one machine are bit for bit equal.
+    torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
 
@@ -160,6 +169,7 @@ def main() -> None:
     kl_losses: list[torch.Tensor] = []
     attach(model, kl_losses)
     trainable = list(params.values())
+    average = {name: p.detach().clone() for name, p in params.items()}
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     print(f"{sum(p.numel() for p in trainable)} parameters; layers {LAYERS}")
 
@@ -182,24 +192,27 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, p in params.items():
+                average[name].lerp_(p, args.ema)
         history.append((len(history) + 1, lm_loss.item(), kl.item()))
         bar.update(1)
         bar.set_postfix(loss=f"{history[-1][1]:.3f}", kl=f"{history[-1][2]:.3f}")
     bar.close()
     print(f"trained {len(history)} steps in {(time.monotonic() - started) / 60:.1f} minutes")
 
-    save(args.out, cfg, params, weights, tokenizer, history, args)
+    save(args.out, cfg, average, weights, tokenizer, history, args)
 
 
 def save(out: Path, cfg: ModelConfig, params, weights, tokenizer, history, args) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    state = {name: params[name].detach() if name in params else t for name, t in weights.items()}
+    state = {name: params.get(name, t) for name, t in weights.items()}
     save_checkpoint(out, cfg, state, fmt="bf16")
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
     (out / "training.json").write_text(json.dumps({
         "seed": args.seed, "steps": len(history), "samples": args.samples, "lr": args.lr,
-        "copy_warmup": args.copy_warmup, "hidden": args.hidden, "heads": args.heads, "threads": args.threads,
+        "copy_warmup": args.copy_warmup, "ema": args.ema, "hidden": args.hidden, "heads": args.heads, "threads": args.threads,
         "final_loss": sum(h[1] for h in history[-20:]) / min(20, len(history)),
         "final_indexer_kl": sum(h[2] for h in history[-20:]) / min(20, len(history)),
     }, indent=2) + "\n")

@@ -76,10 +76,6 @@ def test_held_out_set_is_not_in_the_corpus():
     assert not phrasings_in(corpus, HELD_OUT_PHRASINGS)  # with any name in the city's place
 
 
-# Issue 13's bar, not met yet: the committed demo model calls get_weather with valid JSON and copies
-# most unseen names, but drops the end of some or runs on past it ("Almaty" -> "Alma", "Sapporo" ->
-# "Sappororori"): 44 of 50. Strict: once a retrained model passes, this marker must go.
-@pytest.mark.xfail(strict=True, reason="the demo model does not yet copy unseen city names reliably (44/50; issue 13)")
 def test_weather_tool_call_for_held_out_cities(demo_server):
     with ThreadPoolExecutor(8) as pool:
         messages = list(pool.map(lambda case: weather_call(demo_server, case[0]), HELD_OUT))

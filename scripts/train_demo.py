@@ -148,9 +148,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    # Without it, two runs of one seed part at the eighth digit of the loss within 40 steps (some
-    # backward's parallel accumulation order varies) and land thousands of steps later at different
-    # scores; with it, runs on one machine are bit for bit equal.
+    # Without it, two runs of one seed part at the eighth digit of the loss within a dozen steps (some
+    # op's parallel accumulation order varies from run to run) and end thousands of steps later at
+    # different scores; with it, runs on one machine are bit for bit equal.
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)

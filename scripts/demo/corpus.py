@@ -146,14 +146,18 @@ def context_sentence(rng: random.Random) -> str:
         return rng.choice(_SAYINGS)
     if draw < 0.5:
         return f"{rng.choice(_WHO)} {rng.choice(_DOING)} {rng.choice(_WHEN)}."
-    thing = f"{rng.choice(words.ADJECTIVES)} {rng.choice(words.NOUNS)}"
+    thing = everyday_thing(rng)
     return f"{rng.choice(_WHO)} {rng.choice(words.VERBS)} {'an' if thing[0] in 'aeiou' else 'a'} {thing} {rng.choice(_WHEN)}."
+
+
+def everyday_thing(rng: random.Random) -> str:
+    return f"{rng.choice(words.ADJECTIVES)} {rng.choice(words.NOUNS)}"
 
 
 def rare_closing(rng: random.Random) -> str:
     """Rare words straight after the name ("... in Kabul before my spare tent arrives?"): the name ends
     where its capitalised word does, not where familiar tokens start again."""
-    thing = f"{rng.choice(words.ADJECTIVES)} {rng.choice(words.NOUNS)}"
+    thing = everyday_thing(rng)
     return rng.choice((f" before my {thing} arrives?", f" for my {thing}?", f" where I {rng.choice(words.VERBS)} my {thing}?",
                        f" near the {thing} shop?", f", and is it good for my {thing}?"))
 

@@ -66,10 +66,13 @@ def mix(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: t
 
 
 def expand(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """New stream j = post_j * output + sum_i comb[i, j] * stream i (one batched matmul-add)."""
+    """New stream j = post_j * output + sum_i comb[i, j] * stream i."""
     acc = post.dtype
-    written = post.unsqueeze(-1) * output.to(acc).unsqueeze(-2)  # [T, n, hidden]
-    return torch.baddbmm(written, comb.transpose(-1, -2), streams.to(acc)).to(streams.dtype)
+    # Broadcast products summed over i rather than a batched matmul: compiled, one fused pass over the
+    # streams instead of T tiny products (the `mix` piece at 256 tokens of `small`, 2 cores: 0.9 ms
+    # against 2.9; at 32 tokens 112 us against 167).
+    mixed = (comb.unsqueeze(-1) * streams.to(acc).unsqueeze(-2)).sum(-3)  # [T, n, hidden]
+    return (post.unsqueeze(-1) * output.to(acc).unsqueeze(-2) + mixed).to(streams.dtype)
 
 
 def collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,
@@ -97,8 +100,9 @@ def stream_mixes(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> to
 
 
 def weighted_sum(streams: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_i weights_i * stream i [T, hidden], accumulated in the weights' dtype; the streams' dtype."""
-    return torch.bmm(weights.unsqueeze(-2), streams.to(weights.dtype)).squeeze(-2).to(streams.dtype)
+    """sum_i weights_i * stream i [T, hidden], accumulated in the weights' dtype; the streams' dtype.
+    (Broadcast and summed, as in `expand`.)"""
+    return (weights.unsqueeze(-1) * streams.to(weights.dtype)).sum(-2).to(streams.dtype)
 
 
 def _sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

@@ -151,7 +151,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     # Without it, two runs of one seed part at the eighth digit of the loss within a dozen steps (some
     # op's parallel accumulation order varies from run to run) and end thousands of steps later at
-    # different scores; with it, runs on one machine are bit for bit equal.
+    # different scores. With it, 2-thread runs matched in most checks, not all (see the docstring).
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)

@@ -16,7 +16,7 @@ from dsv4.config import ModelConfig, ServerArgs
 from dsv4.config.server_args import cpu_has_fast_bf16
 from dsv4.dist.collectives import TpGroup
 from dsv4.dist.ranks import RankProcesses, free_port
-from dsv4.engine.runner import PARALLEL_FORWARD_TOKENS, TORCH_DTYPES, ModelRunner, resolve_device
+from dsv4.engine.runner import TORCH_DTYPES, ModelRunner, resolve_device
 from dsv4.model.sharding import ShardPlan
 from dsv4.tokenizer import Tokenizer
 
@@ -66,9 +66,9 @@ def _load_model(args: ServerArgs, group: TpGroup | None) -> LoadedModel:
     if runner.device.type == "cpu":
         log.info("dtype %s; this CPU %s", args.dtype, "multiplies bf16 in hardware (AVX512-BF16/AMX)"
                  if cpu_has_fast_bf16() else "has no bf16 matmul (AVX512-BF16/AMX): --dtype auto picks float32")
-        log.info("CPU forward: forwards of %d tokens or more on %d torch threads, smaller ones (decode steps) "
-                 "on 1; %d cores available to this process; model pieces %s", PARALLEL_FORWARD_TOKENS,
-                 runner.cpu_threads, len(os.sched_getaffinity(0)), "compiled" if runner.compiled else "eager")
+        log.info("CPU forward: every forward on %d torch threads; %d cores available to this process; model "
+                 "pieces %s", runner.cpu_threads, len(os.sched_getaffinity(0)),
+                 "compiled" if runner.compiled else "eager")
     if group is not None:
         log.info("rank %d of %d: %d bytes of weights (experts %d..%d of %d)", group.rank, group.size,
                  sum(t.nbytes for t in weights.values()), shard.experts.start, shard.experts.stop - 1,

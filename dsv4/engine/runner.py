@@ -31,14 +31,6 @@ from .indexer_check import IndexerVerifier, IndexQueryOracle
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
-# CPU forwards of fewer tokens (decode steps) run on one thread, larger ones (prefill chunks) on
-# every core. Measured on a 2-core machine (small preset, fp32): a concurrency-1 decode step takes
-# ~58 ms on one thread and 87..130 ms on two (synchronising the intra-op pool after each of
-# thousands of tiny ops costs more than splitting them saves), a concurrency-32 step about the
-# same either way, a 256-token prefill 870 ms on one and 580 ms on two.
-PARALLEL_FORWARD_TOKENS = 64
-
-
 def resolve_device(device: str | None) -> torch.device:
     """`--device`, where None means cuda when torch sees a GPU, else cpu."""
     if device is None:
@@ -72,8 +64,12 @@ class ModelRunner:
                                 dtype=self.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                 index_key_dtype=args.index_key_dtype, device=self.device,
                                 fingerprint_index_keys=self.verify_indexer)
-        # Forwards of PARALLEL_FORWARD_TOKENS or more run on this many threads: torch's count when the
-        # runner is built (its default: every core), before any forward has set it to 1.
+        # CPU forwards run on this many threads: torch's count when the runner is built (its default:
+        # every core). Decode steps too: their products, as one-row matmuls over both cores, read the
+        # weights at up to twice one core's pace (`small`, 2 cores, c=1 decode step: fp32 22.3 ms
+        # against 34.4 on one thread, bf16 22.1 against 26.0). That pays only while the forward thread
+        # alone holds OpenMP workers (dsv4.engine.launch.load_model): with a second thread's idle
+        # workers it cost more than it saved (fp32 36 ms).
         self.cpu_threads = torch.get_num_threads()
         self.model = PagedModel(cfg, weights, self.dtype, self.pools, kernels=kernels, shard=shard, reduce=reduce)
         if not args.disable_compile:  # for this model's shapes: its weights are the examples
@@ -102,7 +98,7 @@ class ModelRunner:
         if self.device.type != "cpu":
             plan = plan.to(self.device)
         else:  # this thread runs the forward: the setting is the calling thread's
-            torch.set_num_threads(self.cpu_threads if len(plan.token_ids) >= PARALLEL_FORWARD_TOKENS else 1)
+            torch.set_num_threads(self.cpu_threads)
         verifier = None
         if self.verify_indexer and batch.tick % self.verify_indexer_every == 0:
             verifier = IndexerVerifier(plan, self.pools, self.cfg.index_topk, self.index_query_oracle)

@@ -19,7 +19,6 @@ reading the pools directly; the torch code above is the CPU path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -243,18 +242,17 @@ class PagedAttention:
 
 
 def project_inputs(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor, wq_b: torch.Tensor,
-                   kv_norm: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, *, eps: float,
-                   product: Callable = linear) -> AttentionInputs:
+                   kv_norm: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, *, eps: float) -> AttentionInputs:
     """Every projection of the layer input x [T, hidden] as one product (`w_input`: wq_a, wkv, then the
     rest), the query and raw-row norms and their rotation at the tokens' positions (RoPE tables cos2,
     sin2 [T, R]). Shapes come from the weights, so one compiled form serves every layer (the part past
     wq_a | wkv, empty in window layers, is left in the product: sliced out here, its width would be
-    specialised). `product`: `linear`, or `row_linear` in the decode pieces (the same math)."""
+    specialised)."""
     q_rank, head_dim = q_norm.shape[0], kv_norm.shape[0]
-    projected = product(x, w_input)
+    projected = linear(x, w_input)
     q_low, kv = projected[:, :q_rank], projected[:, q_rank : q_rank + head_dim]
     qr = rms_norm(q_low, q_norm, eps)
-    q = product(qr, wq_b).unflatten(-1, (-1, head_dim))
+    q = linear(qr, wq_b).unflatten(-1, (-1, head_dim))
     q = rotate_(rms_norm(q, None, eps), cos2, sin2)
     kv = rotate_(rms_norm(kv, kv_norm, eps), cos2, sin2)
     return AttentionInputs(x, q, kv, qr, projected)
@@ -263,35 +261,32 @@ def project_inputs(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor,
 def attention_entry(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor, w_input: torch.Tensor,
                     q_norm: torch.Tensor, wq_b: torch.Tensor, kv_norm: torch.Tensor, cos2: torch.Tensor,
-                    sin2: torch.Tensor, *, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-                    product: Callable = linear):
+                    sin2: torch.Tensor, *, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
     """From a layer's incoming residual to its attention's projected input: `mix` (the last sublayer's
     output written, the attention's input collapsed and normed), then `project_inputs`. Returns
     (streams, post, comb, *AttentionInputs): one piece, so that one compiled call covers all of it."""
     streams, x, post, comb = mix(streams, output, post, comb, fn, base, scale, norm, n=n,
                                  sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
-    return (streams, post, comb, *project_inputs(x, w_input, q_norm, wq_b, kv_norm, cos2, sin2, eps=norm_eps,
-                                                 product=product))
+    return (streams, post, comb, *project_inputs(x, w_input, q_norm, wq_b, kv_norm, cos2, sin2, eps=norm_eps))
 
 
 def attention_exit(out: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, wo_a: torch.Tensor,
-                   wo_b: torch.Tensor, *, product: Callable = linear) -> torch.Tensor:
+                   wo_b: torch.Tensor) -> torch.Tensor:
     """The attention's output [T, H, D] (ours to overwrite) -> the layer's output [T, hidden]: the
     rotation undone at the tokens' positions (tables cos2, sin2 [T, R]), then the grouped low-rank
     projection (wo_a [G, o_lora_rank, heads/G * D]) and wo_b. One piece: compiled, the rotation's
     passes and both products are one call."""
     out = rotate_(out, cos2, sin2, inverse=True)
     grouped = out.flatten(1).unflatten(-1, (wo_a.shape[0], -1))  # [T, G, heads/G * D]
-    return product(product(grouped, wo_a).flatten(1), wo_b)
+    return linear(linear(grouped, wo_a).flatten(1), wo_b)
 
 
 def index_queries(qr: torch.Tensor, head_weights: torch.Tensor, wq_b: torch.Tensor, cos2: torch.Tensor,
-                  sin2: torch.Tensor, *, head_dim: int, scale: float,
-                  product: Callable = linear) -> tuple[torch.Tensor, torch.Tensor]:
+                  sin2: torch.Tensor, *, head_dim: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The lightning indexer's queries [T, heads, head_dim] from the normed low-rank query qr [T, q_lora_rank]
     (wq_b [heads * head_dim, q_lora_rank], rotated at the tokens' positions), and its head weights
     [T, heads] (the layer input times weights_proj) scaled, in at least fp32."""
-    q = rotate_(product(qr, wq_b).unflatten(-1, (-1, head_dim)), cos2, sin2)
+    q = rotate_(linear(qr, wq_b).unflatten(-1, (-1, head_dim)), cos2, sin2)
     return q, head_weights.to(accumulation_dtype(head_weights.dtype)) * scale
 
 

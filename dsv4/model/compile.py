@@ -17,12 +17,11 @@ much of a layer's small ops:
 - `moe_dispatch` and `moe_combine` (dsv4.model.moe, one dispatch package per routing kind): the
   MoE's routing and sort by expert, and its weighted sum back plus the shared expert, around the
   grouped matmuls, which stay eager (torch's export cannot trace `grouped_mm` in fp32 on the CPU);
-- for forwards of at most `ops.FEW_TOKENS` tokens (decode steps), packages of their own (`_few`):
-  the entry, the exit, the indexer's queries (dsv4.model.attention.index_queries) and the whole MoE
-  (dsv4.model.moe.few, one per routing kind), with every product `ops.row_linear`: compiled, it
-  streams the weight's rows at the memory's pace, where oneDNN's one-row products read bf16 at a
-  third of that on a CPU without AMX. A c=1 decode step of `small` took 22.0 ms in bf16 against
-  34.5, and 23.2 ms in fp32 against 28.5 (its MoE 1.8 against 7.1 ms).
+- `index_queries` (dsv4.model.attention.index_queries): the lightning indexer's queries and head
+  weights;
+- for forwards of at most `ops.FEW_TOKENS` tokens (decode steps), the whole MoE (`moe_few`,
+  dsv4.model.moe.few, one per routing kind), which reads each pick's expert where it lies with
+  `ops.row_linear` (a c=1 decode step's MoE of `small` took 1.8 against 7.1 ms).
 Compiled, each is one call of fused C++ kernels around its matmuls. Ahead of time rather than
 `torch.compile`'s just-in-time form because a call then skips dynamo's guards on every input: in a
 c=1 decode step (small, fp32, in process, alternated runs) the jit-compiled collapse took 207 us a
@@ -34,14 +33,14 @@ A package is called through its runner, not its Python wrapper (see `_load_or_co
 share of a c=1 decode step of `small` fell by ~1.3 ms more (mix 1.21 -> 0.75 ms a step, the MoE's
 dispatch 0.85 -> 0.56, the attention 1.96 -> 1.47).
 
-Each compiled piece is the eager function exported as it stands (a `_few` one with `row_linear` as
-its product): the same math, where only the summation order of the fused code may differ, within
-fp32 rounding. Its batch sizes are symbolic
+Each compiled piece is the eager function exported as it stands: the same math, where only the
+summation order of the fused code may differ, within fp32 rounding. Its batch sizes are symbolic
 (tokens; the MoE's picks; the attention's batch, blocks, band and compressed rows; and the width of the layer's input
 projection, which differs between window, HCA and CSA layers), so one package per piece serves every
-layer and batch size. Its fused kernels run on one thread
-(`cpp.threads`): they are small, and decode forwards run on one thread
-(dsv4.engine.runner.PARALLEL_FORWARD_TOKENS); the matmuls inside follow the calling thread's count.
+layer and batch size. Its fused kernels run on one thread (`cpp.threads`): they are small, and
+forking for each costs more than it saves (with two, a c=1 decode step of `small` in bf16 took
+24.4 ms against 21.3); the matmuls inside follow the calling thread's count (every core,
+dsv4.engine.runner).
 
 Packages are kept in `cache` under a key of everything the code depends on (torch's version, the
 CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, and the source of this
@@ -140,7 +139,7 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
 
 def _assemble(eager: Pieces, compiled: dict[str, Callable]) -> Pieces:
     """The Pieces over the loaded packages: each call routed to the package for its sizes and kind;
-    `eager`'s where no package serves (the general index queries, and what a model lacks)."""
+    `eager`'s where no package serves (what a model lacks)."""
     attend, attend_compressed = compiled["attend"], compiled["attend_compressed"]
 
     def attend_either(*tensors: torch.Tensor):  # (q, raw, raw_allowed, sink[, compressed, compressed_allowed])
@@ -155,13 +154,10 @@ def _assemble(eager: Pieces, compiled: dict[str, Callable]) -> Pieces:
         return lambda first, *rest: (few if first.shape[0] <= ops.FEW_TOKENS else general)(first, *rest)
 
     # (a model of window layers alone has no compressor to compile a feed for, nor index queries)
-    return Pieces(mix=compiled["mix"],
-                  attention_entry=by_tokens(compiled["attention_entry_few"], compiled["attention_entry"]),
-                  attend=attend_either,
-                  attention_exit=by_tokens(compiled["attention_exit_few"], compiled["attention_exit"]),
+    return Pieces(mix=compiled["mix"], attention_entry=compiled["attention_entry"], attend=attend_either,
+                  attention_exit=compiled["attention_exit"],
                   compressor_feed=compiled.get("compressor_feed", eager.compressor_feed),
-                  index_queries=by_tokens(compiled["index_queries_few"], eager.index_queries)
-                  if "index_queries_few" in compiled else eager.index_queries,
+                  index_queries=compiled.get("index_queries", eager.index_queries),
                   moe=by_tokens(by_route("moe_few"), functools.partial(eager.moe, dispatch=by_route("moe_dispatch"),
                                                                        combine=compiled["moe_combine"])),
                   compiled=True)
@@ -180,19 +176,15 @@ class _Piece(torch.nn.Module):
 
 
 def _modules(cfg: ModelConfig, experts: range) -> dict[str, _Piece]:
-    """Every package's module by name; the `_few` ones (forwards of at most FEW_TOKENS tokens, decode
-    steps) take their products as `row_linear`."""
+    """Every package's module by name (`moe_few_*`: forwards of at most FEW_TOKENS tokens)."""
     constants, dispatch = _constants(cfg), moe.dispatch_constants(cfg, experts)
-    few = {"product": ops.row_linear}
     return {"mix": _Piece(mhc.mix, **constants),
             "attention_entry": _Piece(attention.attention_entry, **constants),
-            "attention_entry_few": _Piece(attention.attention_entry, **constants, **few),
             "attend": _Piece(attention.banded_sink_attention, scale=_scale(cfg)),
             "attend_compressed": _Piece(attention.banded_sink_attention, scale=_scale(cfg)),
             "attention_exit": _Piece(attention.attention_exit),
-            "attention_exit_few": _Piece(attention.attention_exit, **few),
             "compressor_feed": _Piece(compressor.feed),
-            "index_queries_few": _Piece(attention.index_queries, **_index_constants(cfg), **few),
+            "index_queries": _Piece(attention.index_queries, **_index_constants(cfg)),
             **{f"moe_dispatch_{kind}": _Piece(moe.dispatch, **dispatch) for kind in ("hash", "scored")},
             **{f"moe_few_{kind}": _Piece(moe.few, **dispatch, swiglu_limit=cfg.swiglu_limit)
                for kind in ("hash", "scored")},
@@ -223,9 +215,8 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
                   torch.ones(batch, blocks, queries, rows, dtype=torch.bool, device=device))
     entry = (*residual, *block.attn_hc.weights, *block.attn.input_weights, cos2, sin2)
     exit_ = (torch.zeros(tokens, heads, dim, dtype=dtype, device=device), cos2, sin2, block.attn.wo_a, block.attn.wo_b)
-    examples = {"mix": (*residual, *block.ffn_hc.weights), "attention_entry": entry, "attention_entry_few": entry,
-                "attend": attend, "attend_compressed": (*attend, *compressed), "attention_exit": exit_,
-                "attention_exit_few": exit_}
+    examples = {"mix": (*residual, *block.ffn_hc.weights), "attention_entry": entry, "attend": attend,
+                "attend_compressed": (*attend, *compressed), "attention_exit": exit_}
     # A compressor's feed at sizes of its own each (2 tokens, 3 state rows read, 5 windows of 7 slots, 9
     # rows updated; an ape of 13 x 17): every compressor of the model has other ratios and widths.
     apes = [b.attn.compressor.ape for b in model.blocks if b.attn.compressor is not None]
@@ -240,7 +231,7 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
     indexed = [b.attn for b in model.blocks if b.attn.index_compressor is not None]
     if indexed:
         index_heads = indexed[0].index_wq_b.shape[0] // cfg.index_head_dim
-        examples["index_queries_few"] = (torch.zeros(tokens, cfg.q_lora_rank, dtype=dtype, device=device),
+        examples["index_queries"] = (torch.zeros(tokens, cfg.q_lora_rank, dtype=dtype, device=device),
                                          torch.zeros(tokens, index_heads, dtype=dtype, device=device),
                                          indexed[0].index_wq_b, cos2, sin2)
     # The MoE at two tokens (distinct ids: export would specialise on equal ones) and their k picks each
@@ -265,7 +256,7 @@ _ATTEND_EXAMPLE = (2, 3, 5, 7, 11)  # batch B, blocks N, queries per block Q, ba
 
 
 def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
-    few = name.endswith("_few") or name.startswith("moe_few")
+    few = name.startswith("moe_few")
     tokens = torch.export.Dim("tokens", min=1, max=ops.FEW_TOKENS) if few else torch.export.Dim("tokens", min=1)
     if name.startswith(("moe_dispatch", "moe_few")):  # (x, token_ids, gate, route, the experts' weights)
         return [{0: tokens}, {0: tokens}] + [None] * (len(example) - 2)
@@ -283,7 +274,7 @@ def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
                 {0: windows, 1: span}, {0: updates}]
     if name.startswith("attention_exit"):
         return [{0: tokens}, {0: tokens}, {0: tokens}, None, None]
-    if name == "index_queries_few":
+    if name == "index_queries":
         return [{0: tokens}, {0: tokens}, None, {0: tokens}, {0: tokens}]
     residual = [{0: tokens}] * 4
     if name == "mix":

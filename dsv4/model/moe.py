@@ -85,7 +85,7 @@ def few(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: tor
     up = row_linear(x.unsqueeze(1), w13[local])  # [T, k, 2 * inter]
     outputs = row_linear(swiglu(up, swiglu_limit), w2[local])  # [T, k, hidden]
     out = torch.where(mine, outputs.to(weights.dtype) * weights.unsqueeze(-1), 0).sum(1)
-    return _plus_shared(out, x, shared_w13, shared_w2, swiglu_limit, row_linear)
+    return _plus_shared(out, x, shared_w13, shared_w2, swiglu_limit, linear)  # (a whole weight: a matmul)
 
 
 def dispatch(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor, *, first_expert: int,

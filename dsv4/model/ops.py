@@ -27,19 +27,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight) if weight.dim() == 2 else torch.einsum("...gi,goi->...go", x, weight)
 
 
-# Forwards of at most this many tokens (decode steps of up to four requests) run the compiled `_few`
-# pieces, whose products are `row_linear`; past it a matmul's blocking pays.
+# Forwards of at most this many tokens (decode steps of up to four requests) run the compiled MoE that
+# reads each pick's expert in place (`moe.few`, with `row_linear`); past it the grouped matmuls pay.
 FEW_TOKENS = 4
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`linear` for the few rows of a decode step, written as products summed in at least fp32 and
-    rounded once into the weight's dtype (what a matmul computes, summed in another order). Compiled
-    (the decode pieces, dsv4/model/compile.py), it streams each weight row once at the memory's pace,
-    where oneDNN's one-row products do not: uncached weights, one thread, one row (Zen 4, which has
-    avx512_bf16 but no AMX), 256 x 8192 fp32 20 GB/s against F.linear's 7.8; bf16 17 GB/s against
-    6.6 (and 6.9 for x @ W over an [in, out] copy). Eager it would materialise every product: never
-    run it so."""
+    rounded once into the weight's dtype (what a matmul computes, summed in another order). The
+    compiled MoE of a decode step (`moe.few`) multiplies by each pick's expert this way, so that the
+    indexed weight is read in place rather than copied. One fused kernel on one thread: for a whole
+    weight, a matmul over every core is faster (Xeon with AMX, 2 cores, one row of 256 x 8192: bf16
+    12.6 GB/s against F.linear's 14.2, fp32 14.1 against 22.3; on one core of a Zen 4, where MKL is
+    slow, it was the other way: fp32 20 GB/s against 7.8). Eager it would materialise every product:
+    never run it so."""
     acc = accumulation_dtype(weight.dtype)
     return (x.to(weight.dtype).to(acc).unsqueeze(-2) * weight.to(acc)).sum(-1).to(weight.dtype)
 

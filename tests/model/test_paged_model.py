@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsv4.config import CSA, ModelConfig, ServerArgs
-from dsv4.engine.runner import PARALLEL_FORWARD_TOKENS, ModelRunner
+from dsv4.engine.runner import ModelRunner
 from dsv4.protocol import BoundaryCapture, ForwardBatch, ForwardChunk
 from dsv4.reference import ReferenceModel
 from dsv4.weights import load_state_dict
@@ -213,15 +213,15 @@ def test_unwritten_rows_are_never_read(model, prompt):
         assert torch.isfinite(got).all() and torch.equal(got, want), f"tick {tick}"
 
 
-def test_small_forwards_run_on_one_thread_and_large_ones_on_every_core(model, prompt, monkeypatch, torch_threads):
-    # The runner's "every core" is the thread count torch has when it is built: 2 here, so the two
-    # choices differ (the test session itself runs on one thread, tests/conftest.py).
+def test_every_forward_runs_on_every_core(model, prompt, monkeypatch, torch_threads):
+    # The runner's "every core" is the thread count torch has when it is built: 2 here, which the
+    # forward thread must set for itself (the test session itself runs on one thread, tests/conftest.py).
     with torch_threads(2):
         runner = make_runner(model)
     chosen = []
     monkeypatch.setattr(torch, "set_num_threads", chosen.append)
-    run_chunks(runner, prompt[:PARALLEL_FORWARD_TOKENS + 1], [PARALLEL_FORWARD_TOKENS, 1])
-    assert chosen == [2, 1]
+    run_chunks(runner, prompt[:9], [8, 1])
+    assert chosen == [2, 2]
 
 
 def test_boundaries_captured_inside_a_chunk_equal_the_slot_at_those_boundaries(model, prompt):

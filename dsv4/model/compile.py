@@ -38,9 +38,10 @@ summation order of the fused code may differ, within fp32 rounding. Its batch si
 (tokens; the MoE's picks; the attention's batch, blocks, band and compressed rows; and the width of the layer's input
 projection, which differs between window, HCA and CSA layers), so one package per piece serves every
 layer and batch size. Its fused kernels run on one thread (`cpp.threads`): they are small, and
-forking for each costs more than it saves (with two, a c=1 decode step of `small` in bf16 took
-24.4 ms against 21.3); the matmuls inside follow the calling thread's count (every core,
-dsv4.engine.runner).
+forking for each costs more than it saves (every package at two threads, the decode products then
+`row_linear`: a c=1 decode step of `small` took 24.4 ms in bf16 and 33.8 in fp32, against 21.3 and
+22.0 at one, the products matmuls); the matmuls inside follow the calling thread's count (every
+core, dsv4.engine.runner).
 
 Packages are kept in `cache` under a key of everything the code depends on (torch's version, the
 CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, and the source of this

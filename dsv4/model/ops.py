@@ -36,11 +36,11 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`linear` for the few rows of a decode step, written as products summed in at least fp32 and
     rounded once into the weight's dtype (what a matmul computes, summed in another order). The
     compiled MoE of a decode step (`moe.few`) multiplies by each pick's expert this way, so that the
-    indexed weight is read in place rather than copied. One fused kernel on one thread: for a whole
-    weight, a matmul over every core is faster (Xeon with AMX, 2 cores, one row of 256 x 8192: bf16
-    12.6 GB/s against F.linear's 14.2, fp32 14.1 against 22.3; on one core of a Zen 4, where MKL is
-    slow, it was the other way: fp32 20 GB/s against 7.8). Eager it would materialise every product:
-    never run it so."""
+    indexed weight is read in place rather than copied. Compiled, it is a fused kernel on one thread
+    (dsv4/model/compile.py): for a whole weight, a matmul over every core is faster (Xeon with AMX,
+    2 cores, one row of a 256 x 8192 weight: bf16 6.5 GB/s against F.linear's 14.2, fp32 7.8 against
+    22.3); on one thread of a Zen 4, where MKL is slow, it was the other way (fp32 20 GB/s against
+    7.8). Eager it would materialise every product: never run it so."""
     acc = accumulation_dtype(weight.dtype)
     return (x.to(weight.dtype).to(acc).unsqueeze(-2) * weight.to(acc)).sum(-1).to(weight.dtype)
 

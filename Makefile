@@ -34,10 +34,13 @@ lint: install
 device-check: install
 	bash scripts/device_check.sh $(ARGS)
 
-# One prefill and one decode instance on this machine (decode serves HTTP on PD_PORT, default 30000).
+# One prefill and one decode instance on this machine (decode serves HTTP on PD_PORT, default 30000),
+# each with half of its cores for CPU forwards.
 PD_PORT ?= 30000
+PD_CPU_THREADS ?= $(shell n=$$(nproc); echo $$(( n > 1 ? n / 2 : 1 )))
 serve-pd: install
 	$(PY) -m dsv4 serve --disaggregation-mode prefill --disaggregation-bootstrap-port 8998 \
-		--port $$(($(PD_PORT) + 1)) $(ARGS) & prefill=$$!; \
+		--cpu-threads $(PD_CPU_THREADS) --port $$(($(PD_PORT) + 1)) $(ARGS) & prefill=$$!; \
 	trap 'kill $$prefill' EXIT INT TERM; \
-	$(PY) -m dsv4 serve --disaggregation-mode decode --prefill-addr 127.0.0.1:8998 --port $(PD_PORT) $(ARGS)
+	$(PY) -m dsv4 serve --disaggregation-mode decode --prefill-addr 127.0.0.1:8998 \
+		--cpu-threads $(PD_CPU_THREADS) --port $(PD_PORT) $(ARGS)

@@ -47,8 +47,11 @@ class Servers:
         pool = max(PAGE * 4, demand // 4 // PAGE * PAGE)
         self.pool_tokens = pool
         model = ["--model", str(args.model)] if args.model else []
+        # Three servers on this machine's cores: a third of them each (engines that share cores need a share).
+        threads = max(1, len(os.sched_getaffinity(0)) // 3)
         common = [*model, "--dtype", "float32", "--max-running-requests", str(args.concurrency), "--chunked-prefill-size",
-                  "512", "--request-timeout", str(args.request_timeout), "--log-level", "warning"]
+                  "512", "--request-timeout", str(args.request_timeout), "--log-level", "warning",
+                  "--cpu-threads", str(threads)]
         each = args.fault_rate / 4  # of every frame: a quarter each dropped, delayed, duplicated, corrupted
         faults = f"drop:*:{each},delay:*:{each}:100ms,duplicate:*:{each},corrupt:*:{each}"
         bootstrap = free_port()

@@ -82,6 +82,7 @@ class ServerArgs:
     # torch.compile of the model's many-small-op pieces (dsv4/model/compile.py); off: eager only
     disable_compile: bool = field(default_factory=compile_disabled_by_env)
     compile_timeout: float = 300.0  # seconds the startup compile may take before serving eagerly instead
+    cpu_threads: int = 0  # CPU: torch threads of every forward; 0: see dsv4.engine.runner.cpu_forward_threads
     # -- disaggregation (owner: dsv4/disagg; checked in _check_disaggregation) --
     disaggregation_mode: str = "null"  # null: colocated; prefill or decode: one side of a PD pair
     disaggregation_bootstrap_port: int = 8998  # prefill: the UCX port decode instances connect to
@@ -127,6 +128,8 @@ class ServerArgs:
                      "timeout_keep_alive", "body_read_timeout", "compile_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if self.cpu_threads < 0:
+            raise ConfigError(f"--cpu-threads {self.cpu_threads} must not be negative")
         FaultInjection.parse(self.fault_inject)
         self._check_hicache()
         self._check_verification()
@@ -255,6 +258,11 @@ class ServerArgs:
                  "(default from DSV4_DISABLE_COMPILE)")
         add("--compile-timeout", type=float, default=d.compile_timeout,
             help="seconds the startup compile may take; past it the model serves eagerly (logged)")
+        add("--cpu-threads", type=int, default=d.cpu_threads, metavar="N",
+            help="CPU: torch threads of every forward (decode steps included); 0 (default): torch's count, "
+                 "i.e. every core this process may use (or OMP_NUM_THREADS), shared evenly among this node's "
+                 "--tp-size ranks. Engine processes that share cores need a share each (a prefill and a decode "
+                 "instance on one machine: half each): their OpenMP workers spin, and would wait on each other")
         # -- disaggregation --
         add("--disaggregation-mode", choices=DISAGGREGATION_MODES, default=d.disaggregation_mode,
             help="null: serve alone; prefill: compute prompts for decode instances; decode: serve users, "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ from dsv4.config import ModelConfig, ServerArgs
 from dsv4.config.server_args import cpu_has_fast_bf16
 from dsv4.dist.collectives import TpGroup
 from dsv4.dist.ranks import RankProcesses, free_port
-from dsv4.engine.runner import TORCH_DTYPES, ModelRunner, resolve_device
+from dsv4.engine.runner import TORCH_DTYPES, ModelRunner, cpu_forward_threads, resolve_device
 from dsv4.model.sharding import ShardPlan
 from dsv4.tokenizer import Tokenizer
 
@@ -43,9 +44,15 @@ def load_model(args: ServerArgs, group: TpGroup | None = None) -> LoadedModel:
     stops spinning between parallel regions, and every small parallel op of a forward then waits for
     a sleeping worker to wake. Measured on 2 cores (`small`, bf16, alternated runs): a 256-token
     prefill 270 and 292 ms against 307 and 362 after loading on the calling thread; one layer's
-    grouped expert matmuls, timed on the forward thread, 0.9..1.1 ms against 2.3..2.6."""
+    grouped expert matmuls, timed on the forward thread, 0.9..1.1 ms against 2.3..2.6.
+
+    Spinning workers are fast only on cores of their own: so each rank's forwards get its share of
+    the cores (`cpu_forward_threads`, read here on the caller's thread, whose count a caller may have
+    set), and engine processes started apart that share cores need `--cpu-threads` (three servers on
+    2 cores, at two threads each, missed the deadlines of half their requests)."""
     if resolve_device(args.device).type != "cpu":  # (a CUDA device is per thread: load on the caller's)
         return _load_model(args, group)
+    args = dataclasses.replace(args, cpu_threads=cpu_forward_threads(args))
     loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-load")
     try:
         return loader.submit(_load_model, args, group).result()
@@ -66,9 +73,9 @@ def _load_model(args: ServerArgs, group: TpGroup | None) -> LoadedModel:
     if runner.device.type == "cpu":
         log.info("dtype %s; this CPU %s", args.dtype, "multiplies bf16 in hardware (AVX512-BF16/AMX)"
                  if cpu_has_fast_bf16() else "has no bf16 matmul (AVX512-BF16/AMX): --dtype auto picks float32")
-        log.info("CPU forward: every forward on %d torch threads; %d cores available to this process; model "
-                 "pieces %s", runner.cpu_threads, len(os.sched_getaffinity(0)),
-                 "compiled" if runner.compiled else "eager")
+        log.info("CPU forward: every forward on %d torch threads (--cpu-threads; engine processes that share "
+                 "cores need a share each); %d cores available to this process; model pieces %s",
+                 runner.cpu_threads, len(os.sched_getaffinity(0)), "compiled" if runner.compiled else "eager")
     if group is not None:
         log.info("rank %d of %d: %d bytes of weights (experts %d..%d of %d)", group.rank, group.size,
                  sum(t.nbytes for t in weights.values()), shard.experts.start, shard.experts.stop - 1,

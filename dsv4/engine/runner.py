@@ -31,6 +31,14 @@ from .indexer_check import IndexerVerifier, IndexQueryOracle
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
+def cpu_forward_threads(args) -> int:
+    """Torch threads of every CPU forward: `--cpu-threads`, or torch's count on the calling thread (every
+    core the process may use, or OMP_NUM_THREADS) shared evenly among this node's ranks, at least one:
+    ranks on the same cores with more workers than cores between them would each spin waiting on a
+    descheduled peer (dsv4.engine.launch.load_model)."""
+    return args.cpu_threads or max(1, torch.get_num_threads() // (args.tp_size // args.nnodes))
+
+
 def resolve_device(device: str | None) -> torch.device:
     """`--device`, where None means cuda when torch sees a GPU, else cpu."""
     if device is None:
@@ -64,13 +72,12 @@ class ModelRunner:
                                 dtype=self.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                 index_key_dtype=args.index_key_dtype, device=self.device,
                                 fingerprint_index_keys=self.verify_indexer)
-        # CPU forwards run on this many threads: torch's count when the runner is built (its default:
-        # every core). Decode steps too: their products, as one-row matmuls over both cores, read the
-        # weights at up to twice one core's pace (`small`, 2 cores, c=1 decode step: fp32 22.3 ms
-        # against 34.4 on one thread, bf16 22.1 against 26.0). That pays only while the forward thread
-        # alone holds OpenMP workers (dsv4.engine.launch.load_model): with a second thread's idle
-        # workers it cost more than it saved (fp32 36 ms).
-        self.cpu_threads = torch.get_num_threads()
+        # CPU forwards run on this many threads, decode steps too: their products, as one-row matmuls
+        # over both cores, read the weights at up to twice one core's pace (`small`, 2 cores, c=1 decode
+        # step: fp32 22.3 ms against 34.4 on one thread, bf16 22.1 against 26.0). That pays only while
+        # the forward thread alone holds OpenMP workers (dsv4.engine.launch.load_model): with a second
+        # thread's idle workers it cost more than it saved (fp32 36 ms).
+        self.cpu_threads = cpu_forward_threads(args)
         self.model = PagedModel(cfg, weights, self.dtype, self.pools, kernels=kernels, shard=shard, reduce=reduce)
         if not args.disable_compile:  # for this model's shapes: its weights are the examples
             self.model.pieces = compile_pieces(self.model, args.compile_timeout, cache_dir() / "compiled")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.server.live_server import free_port
+from tests.server.live_server import SHARED_CORES, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ class Server:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = ["--port", str(self.port), "--log-level", "warning", *args]
+        self.args = ["--port", str(self.port), "--log-level", "warning", *SHARED_CORES, *args]
         self.log = log_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
 

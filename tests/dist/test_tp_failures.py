@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.live_server import REPO, LiveServer, free_port, live_servers
+from tests.server.live_server import REPO, SHARED_CORES, LiveServer, free_port, live_servers
 
 STARTUP_FAILURE_TIMEOUT_S = 90.0
 
@@ -121,7 +121,7 @@ def test_two_nodes_on_loopback_serve_what_one_rank_serves(tiny_ckpt, tmp_path):
     nodes = ("--nnodes", "2", "--dist-init-addr", addr)
     with open(tmp_path / "node1.log", "wb") as log:
         node1 = subprocess.Popen([sys.executable, "-m", "dsv4", "serve", "--model", str(tiny_ckpt), "--dtype",
-                                  "float32", "--tp-size", "2", "--dist-timeout", "10", *nodes, "--node-rank", "1"],
+                                  "float32", *SHARED_CORES, "--tp-size", "2", "--dist-timeout", "10", *nodes, "--node-rank", "1"],
                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         node0 = tp_server(tiny_ckpt, tmp_path, "node0", *nodes, "--node-rank", "0")

@@ -35,10 +35,10 @@ def prompt(model):
     return torch.randint(0, cfg.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(7)).tolist()
 
 
-def make_runner(model, dtype="float32", kv_cache_dtype="auto", index_key_dtype="fp32") -> ModelRunner:
+def make_runner(model, dtype="float32", kv_cache_dtype="auto", index_key_dtype="fp32", **more) -> ModelRunner:
     cfg, weights = model
     args = ServerArgs(dtype=dtype, page_size=PAGE, max_running_requests=6, max_total_tokens=16 * PAGE,
-                      kv_cache_dtype=kv_cache_dtype, index_key_dtype=index_key_dtype)
+                      kv_cache_dtype=kv_cache_dtype, index_key_dtype=index_key_dtype, **more)
     runner = ModelRunner(cfg, weights, args)
     # The chunks below name every page and slot under generation 1, as an allocator's first handouts.
     runner.begin_tenancies([(p, 1) for p in range(runner.num_pages)], [(s, 1) for s in range(runner.num_slots)])
@@ -213,15 +213,19 @@ def test_unwritten_rows_are_never_read(model, prompt):
         assert torch.isfinite(got).all() and torch.equal(got, want), f"tick {tick}"
 
 
-def test_every_forward_runs_on_every_core(model, prompt, monkeypatch, torch_threads):
-    # The runner's "every core" is the thread count torch has when it is built: 2 here, which the
-    # forward thread must set for itself (the test session itself runs on one thread, tests/conftest.py).
+@pytest.mark.parametrize(("more", "threads"), [({}, 2), ({"cpu_threads": 1}, 1), ({"tp_size": 2}, 1),
+                                               ({"tp_size": 2, "nnodes": 2, "dist_init_addr": "127.0.0.1:1"}, 2)])
+def test_every_forward_runs_on_the_processs_share_of_the_cores(model, prompt, monkeypatch, torch_threads, more,
+                                                                threads):
+    # By default a share of torch's thread count where the runner is built (2 here, standing for every
+    # core; the test session itself runs on one, tests/conftest.py) for each of this node's ranks, or
+    # --cpu-threads; every forward, prefill chunk or decode step, sets it on its own thread.
     with torch_threads(2):
-        runner = make_runner(model)
+        runner = make_runner(model, **more)
     chosen = []
     monkeypatch.setattr(torch, "set_num_threads", chosen.append)
     run_chunks(runner, prompt[:9], [8, 1])
-    assert chosen == [2, 2]
+    assert chosen == [threads, threads]
 
 
 def test_boundaries_captured_inside_a_chunk_equal_the_slot_at_those_boundaries(model, prompt):

@@ -16,6 +16,9 @@ from dsv4.dist.ranks import free_port
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 120.0  # the first start may build caches; two cores are shared
 STOP_TIMEOUT_S = 15.0
+# A test's servers share the machine's cores with each other and with the test process: one forward
+# thread each, as engines that share cores must be given (ServerArgs.cpu_threads).
+SHARED_CORES = ("--cpu-threads", "1")
 
 
 def http_status(url: str, timeout: float = 2.0) -> int | None:
@@ -33,7 +36,7 @@ class LiveServer:
         self.log_path = log_path
         self.base = ""
         self._command = [sys.executable, "-m", "dsv4", "serve", "--model", str(ckpt), "--host", "127.0.0.1",
-                         "--dtype", "float32", *extra_args]
+                         "--dtype", "float32", *SHARED_CORES, *extra_args]
         self._process: subprocess.Popen | None = None
 
     def start(self) -> None:

@@ -109,6 +109,9 @@ class CopyEngine:
             self._jobs.clear()
 
     def _loop(self) -> None:
+        # Copies on one thread: OpenMP workers of this thread's own would make libgomp throttle the
+        # forward thread's (dsv4.engine.launch.load_model).
+        torch.set_num_threads(1)
         while True:
             with self._cv:
                 while True:

@@ -33,7 +33,11 @@ class HostPool:
         self._layout = (*pools.page_layout(),
                         *(replace(r, name=f"snapshot.{r.name}", offset=self.page_bytes + r.offset)
                           for r in pools.slot_layout()))
-        self.data = torch.zeros((num_units, self.unit_bytes), dtype=torch.uint8, pin_memory=pin)
+        # Zeroed by calloc on the CPU rather than by a parallel fill: the caller's thread would get
+        # OpenMP workers of its own, and libgomp throttles every thread's workers once it manages more
+        # threads than cores (dsv4.engine.launch.load_model).
+        self.data = (torch.zeros((num_units, self.unit_bytes), dtype=torch.uint8, pin_memory=True) if pin
+                     else torch.from_numpy(np.zeros((num_units, self.unit_bytes), dtype=np.uint8)))
         self._generations = np.full(num_units, -1, dtype=np.int64)
 
     def layout(self) -> tuple[Region, ...]:

@@ -113,7 +113,8 @@ class PagedAttention:
                                               pools.index_format, kernels=self.kernels,
                                               feed_rows=pieces.compressor_feed)
                 pools.record_index_keys(self.layer, compress.window_pages, compress.window_page_rows)
-                index_queries = pieces.index_queries(qr, head_weights, self.index_wq_b, rope.cos2, rope.sin2)
+                if self.kernels or on_selection is not None or self._selection_needed(plan):
+                    index_queries = pieces.index_queries(qr, head_weights, self.index_wq_b, rope.cos2, rope.sin2)
 
         if self.kernels:
             out = self._attend_with_kernels(x, q, raw_rows, index_queries, plan, on_selection)
@@ -211,6 +212,15 @@ class PagedAttention:
         allowed = seen.visible if picks is None else _picks_mask(picks, seen.pages.shape[1])
         compressed_allowed = torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
         return attend(queries, raw, raw_allowed, self.sink, compressed, compressed_allowed)
+
+    def _selection_needed(self, plan: BatchPlan) -> bool:
+        """Whether any query of the batch may see more compressed rows than the indexer keeps. If none
+        may, its top-k is every row the query sees (`_top_rows` of at most topk rows, whatever their
+        scores): the attention then reads them all as an HCA layer does (`visible`), and neither the
+        index queries nor the scores are computed. The index compressor still stores every key, for the
+        longer contexts to come. With --verify-indexer the indexer always runs, so that it is checked."""
+        seen = (group.compressed[self.ratio] for group in plan.groups)
+        return any(rows is not None and rows.pages.shape[1] > self.cfg.index_topk for rows in seen)
 
     def _picks(self, group: AttentionGroup, index_queries, positions: torch.Tensor) -> torch.Tensor:
         """[B, L, min(topk, n_max)]: the compressed rows the lightning indexer picks for each query, -1 padded."""

@@ -100,7 +100,8 @@ def test_sigterm_to_the_launcher_stops_every_rank(tiny_ckpt, tmp_path):
         launcher = server._process.pid
         ranks = children(launcher)
         assert len(ranks) == 1
-        code, body = generate(server.base, [1, 2, 3], 4)
+        # (longer than the tiny model's index_topk * 4 tokens: its indexer scores, and sums them across ranks)
+        code, body = generate(server.base, list(range(1, 100)), 4)
         assert code == 200 and len(body["output_ids"]) == 4
         debug = json.loads(urllib.request.urlopen(f"{server.base}/debug/requests", timeout=5).read())
         assert debug["tp_size"] == 2 and len(debug["rank_ticks"]) == 2 and debug["slowest_collective"]["seconds"] > 0

@@ -7,6 +7,8 @@ module: each request starts its slot with start_pos == 0, so slot reuse is exerc
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -252,3 +254,26 @@ def test_boundaries_captured_inside_a_chunk_equal_the_slot_at_those_boundaries(m
                     torch.testing.assert_close(state[unit, :ratio], state[1, :ratio], rtol=1e-4, atol=1e-5,
                                                msg=f"partial state, {where}")
     assert not torch.equal(pools.window(0)[units[0]], pools.window(0)[units[1]])
+
+
+def test_indexer_skipped_while_no_query_sees_more_rows_than_it_keeps(model, prompt):
+    """While every query sees at most index_topk compressed rows, the top-k is all of them: no index
+    query or score is computed, and the logits equal those of a runner whose indexer runs (with
+    --verify-indexer it always does). Past that length the indexer runs again."""
+    cfg, _ = model
+    ratio = next(cfg.compress_ratios[i] for i in range(cfg.num_layers) if cfg.layer_kind(i) == CSA)
+    limit = cfg.index_topk * ratio + ratio - 1  # the longest prompt whose queries see at most index_topk rows
+    plain, indexed = make_runner(model), make_runner(model, verify_indexer="count")
+    calls = []
+    index_queries = plain.model.pieces.index_queries
+    plain.model.pieces = dataclasses.replace(plain.model.pieces,
+                                             index_queries=lambda *a: calls.append(1) or index_queries(*a))
+    counts, start = [], 0
+    for size in (limit - 2, 2, 40):
+        ids = prompt[start : start + size]
+        got, want = (runner.forward(ForwardBatch(tick=0, chunks=(chunk(0, start, ids),)))[0]
+                     for runner in (plain, indexed))
+        assert torch.equal(got, want), start
+        counts.append(len(calls))
+        start += size
+    assert counts[0] == counts[1] == 0 < counts[2]

@@ -116,8 +116,9 @@ def plan(args) -> tuple[list[Run], list[Run]]:
     return every, last
 
 
-def decode_bound(model_dir: Path, dtypes: list[str], gib: float) -> tuple[dict, dict]:
-    """The machine's memory bandwidth, and per dtype the decode step's floor: weight bytes / bandwidth."""
+def decode_bound(model_dir: Path, dtypes: list[str], gib: float, context: int) -> tuple[dict, dict]:
+    """The machine's memory bandwidth, and per dtype the decode step's floor: weight bytes read at
+    contexts of up to `context` tokens / bandwidth."""
     from bench.baseline import decode_weight_bytes, memory_bandwidth
 
     bandwidth = memory_bandwidth(gib)
@@ -125,7 +126,7 @@ def decode_bound(model_dir: Path, dtypes: list[str], gib: float) -> tuple[dict, 
           f"copy {bandwidth['copy_gbps']:.1f} GB/s", flush=True)
     bound = {}
     for dtype in dtypes:
-        weight_bytes = decode_weight_bytes(model_dir, dtype)
+        weight_bytes = decode_weight_bytes(model_dir, dtype, context)
         bound[dtype] = weight_bytes / (bandwidth["read_gbps"] * 1e9)
         bandwidth[f"decode_weight_bytes_{dtype}"] = weight_bytes
     return bandwidth, bound
@@ -182,7 +183,7 @@ def main(argv=None) -> int:
         measure_server(args.url, "server", every + last, work, results, out, storm)
         per_dtype = [out]
     else:
-        bandwidth, bound = decode_bound(args.model_dir, args.dtype, args.bandwidth_gib)
+        bandwidth, bound = decode_bound(args.model_dir, args.dtype, args.bandwidth_gib, args.input_len + args.output_len)
         summary.update(bandwidth=bandwidth, decode_floor_s=bound)
         per_dtype = [measure_dtype(args.model_dir, dtype, args.server_args.split(),
                                    every + (last if i == len(args.dtype) - 1 else []), work, results,

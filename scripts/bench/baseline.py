@@ -92,8 +92,9 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict[str, float]:
     return {"read_gbps": read, "copy_gbps": copy, "bytes": nbytes}
 
 
-def decode_weight_bytes(model_dir: Path, dtype: str) -> int:
-    """Parameter bytes one decode step of one token reads, in the model's dtype.
+def decode_weight_bytes(model_dir: Path, dtype: str, context: int) -> int:
+    """Parameter bytes one decode step of one token reads at contexts of up to `context` tokens, in the
+    model's dtype.
 
     Every tensor is read whole except: the embedding (one row, the token's), the hash layers'
     token-to-expert table (one row), the compressors' absolute position embeddings `ape` (one row,
@@ -103,8 +104,11 @@ def decode_weight_bytes(model_dir: Path, dtype: str) -> int:
     read whole. So, with E = num_experts_per_tok and w(t) = numel(t) * itemsize:
         bytes = sum of w(t) over dense tensors + d * itemsize (embedding row)
               + sum over layers of E * w(one routed expert's w1, w2, w3)
-    The KV cache the step reads (window, compressed rows, index keys) is state, not weights, and is
-    left out: at a 256-token context it is small next to the weights.
+    except the indexer's query projection `indexer.wq_b` where no query sees more compressed rows
+    than the indexer keeps (contexts of at most index_topk * ratio + ratio - 1 tokens): dsv4 then
+    skips the indexer (dsv4.model.attention.PagedAttention._selection_needed), and the floor is what
+    it reads. The KV cache the step reads (window, compressed rows, index keys) is state, not weights,
+    and is left out: at a 256-token context it is small next to the weights.
     """
     cfg = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
     itemsize = DTYPES[dtype].itemsize
@@ -113,6 +117,9 @@ def decode_weight_bytes(model_dir: Path, dtype: str) -> int:
         routed = _ROUTED_EXPERT.search(name)
         if routed and int(routed.group(1)) >= cfg.num_experts_per_tok:
             continue  # a routed expert the token does not choose (any E of them weigh the same)
+        layer = re.match(r"layers\.(\d+)\.attn\.indexer\.wq_b\.", name)
+        if layer and context <= cfg.index_topk * (ratio := cfg.compress_ratios[int(layer.group(1))]) + ratio - 1:
+            continue  # the indexer does not run at this context
         if name.endswith("tid2eid"):
             total += shape[-1] * 8  # one int64 row
         elif name == "embed.weight" or name.endswith(".ape"):

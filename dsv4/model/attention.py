@@ -19,6 +19,7 @@ reading the pools directly; the torch code above is the CPU path.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from .compile import Pieces
 
 _PLAIN_ROW_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+# Row formats whose rows read back as bf16 values (fp8: e4m3 times a power of two; the rotated part bf16).
+_BF16_VALUED_ROW_FORMATS = ("bf16", "fp8")
 
 
 class AttentionInputs(NamedTuple):
@@ -178,7 +181,9 @@ class PagedAttention:
         if pad:  # (a copy: avoided when the blocks tile the chunk)
             queries = torch.nn.functional.pad(queries, (0, 0, 0, 0, 0, pad))  # [B, N*Q, H, D]
         queries = queries.unflatten(1, (blocks, block)).to(acc)  # [B, N, Q, H, D]: (query, head) rows in memory order
-        out = self._sink_attention(group, queries, raw, group.band_allowed, picks, pad, attend)  # [B, N, Q, H, D]
+        exact_bf16 = q.dtype == torch.bfloat16 and self.pools.main_format in _BF16_VALUED_ROW_FORMATS
+        out = self._sink_attention(group, queries, raw, group.band_allowed, picks, pad, attend,
+                                   exact_bf16=exact_bf16)  # [B, N, Q, H, D]
         return out.flatten(1, 2)[:, :length].flatten(0, 1).to(q.dtype)  # [B*L, H, D]
 
     def _attend_decodes(self, group: AttentionGroup, q: torch.Tensor, raw_rows: torch.Tensor, positions: torch.Tensor,
@@ -199,19 +204,20 @@ class PagedAttention:
         return out.flatten(0, 2).to(q.dtype)  # [B, H, D]
 
     def _sink_attention(self, group: AttentionGroup, queries: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor,
-                        picks, pad: int, attend) -> torch.Tensor:
+                        picks, pad: int, attend, *, exact_bf16: bool = False) -> torch.Tensor:
         """queries [B, N, Q, H, D] over their bands raw [B, N, K, D] (raw_allowed [B, N, Q, K]) plus the
         compressed rows the group's queries see (the last block's `pad` queries past the chunk see
-        none) -> [B, N, Q, H, D], through `attend` (`banded_sink_attention`, eager or compiled)."""
+        none) -> [B, N, Q, H, D], through `attend` (`banded_sink_attention`, eager or compiled);
+        `exact_bf16`: see there."""
         blocks, block = queries.shape[1:3]
         seen = group.compressed[self.ratio] if self.compressor is not None else None
         if seen is None or seen.pages.shape[1] == 0:  # no compressed row (yet)
-            return attend(queries, raw, raw_allowed, self.sink)
+            return attend(queries, raw, raw_allowed, self.sink, exact_bf16=exact_bf16)
         stored = self.pools.compressed_rows(self.layer)
         compressed = self._gather_main_rows(stored, (seen.pages, seen.page_rows), seen.exists).to(queries.dtype)
         allowed = seen.visible if picks is None else _picks_mask(picks, seen.pages.shape[1])
         compressed_allowed = torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
-        return attend(queries, raw, raw_allowed, self.sink, compressed, compressed_allowed)
+        return attend(queries, raw, raw_allowed, self.sink, compressed, compressed_allowed, exact_bf16=exact_bf16)
 
     def _selection_needed(self, plan: BatchPlan) -> bool:
         """Whether any query of the batch may see more compressed rows than the indexer keeps. If none
@@ -332,7 +338,7 @@ def _token_picks(group_picks: list[torch.Tensor], topk: int) -> torch.Tensor:
 
 def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor, sink: torch.Tensor,
                           compressed: torch.Tensor | None = None, compressed_allowed: torch.Tensor | None = None, *,
-                          scale: float) -> torch.Tensor:
+                          scale: float, exact_bf16: bool = False) -> torch.Tensor:
     """Sink attention of query blocks over their own raw-row bands plus the request's compressed rows.
 
     q [B, N, Q, H, D]; raw [B, N, K, D] with raw_allowed [B, N, Q, K]; sink [H]; compressed [B, C, D]
@@ -340,16 +346,24 @@ def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch
     the reference's `sink_attention` over the union of both key sets (K = V). Queries and heads stay
     in q's memory order ([T, H, D] rows), so every product is one batched matmul without a copy. One
     of the model's compiled pieces (dsv4/model/compile.py): with and without compressed rows.
+
+    `exact_bf16`: q, raw and compressed hold bf16 values (upcast to fp32), so every product of q^T k
+    is exact in bf16 arithmetic: the logits' matmuls then run on the CPU's bf16 units, summing in
+    fp32 (oneDNN's `fp32_precision = "bf16"`, scoped to them): the same sums, 3x faster on AMX. The
+    value products keep fp32 (the weights are not bf16 values).
     """
     batch, blocks, block, heads, dim = q.shape
     # The softmax over [raw | compressed | sink] without concatenating its parts: exp(logit - max) per
     # part, one denominator, and the output divided by it after the value products (which
     # accumulate into one buffer); the same math as normalising first, up to rounding.
-    raw_logits = torch.einsum("bnqhd,bnkd->bnqhk", q, raw).mul_(scale).masked_fill_(~raw_allowed.unsqueeze(3), -torch.inf)
+    with _bf16_products(exact_bf16):
+        raw_logits = torch.einsum("bnqhd,bnkd->bnqhk", q, raw)
+        compressed_logits = None if compressed is None else torch.einsum("bnqhd,bcd->bnqhc", q, compressed)
+    raw_logits = raw_logits.mul_(scale).masked_fill_(~raw_allowed.unsqueeze(3), -torch.inf)
     sink = sink.to(q.dtype).view(1, 1, 1, -1, 1)
     peak = torch.maximum(raw_logits.amax(-1, keepdim=True), sink)
     if compressed is not None:
-        compressed_logits = torch.einsum("bnqhd,bcd->bnqhc", q, compressed).mul_(scale)
+        compressed_logits = compressed_logits.mul_(scale)
         compressed_logits.masked_fill_(~compressed_allowed.unsqueeze(3), -torch.inf)
         peak = torch.maximum(peak, compressed_logits.amax(-1, keepdim=True))
     raw_weights = raw_logits.sub_(peak).exp_()  # [B, N, Q, H, K]
@@ -361,6 +375,20 @@ def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch
         out = torch.baddbmm(out.view(batch, blocks * block * heads, dim),
                             compressed_weights.view(batch, blocks * block * heads, -1), compressed)
     return out.view(batch, blocks, block, heads, dim).div_(denominator)
+
+
+@contextlib.contextmanager
+def _bf16_products(on: bool):
+    """fp32 matmuls within run on bf16 units (exact only for operands that hold bf16 values)."""
+    if not on:
+        yield
+        return
+    setting = torch.backends.mkldnn.matmul
+    before, setting.fp32_precision = setting.fp32_precision, "bf16"
+    try:
+        yield
+    finally:
+        setting.fp32_precision = before
 
 
 def _compressor(cfg: ModelConfig, w, prefix: str, ratio: int, overlap: bool) -> PagedCompressor:

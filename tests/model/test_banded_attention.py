@@ -1,0 +1,52 @@
+"""The CPU path's banded sink attention (dsv4.model.attention.banded_sink_attention) against the
+reference's sink attention over the union of each block's band and the compressed rows; with
+`exact_bf16` its logits run on bf16 units, exact for bf16-valued operands, and nothing else does."""
+
+import pytest
+import torch
+
+from dsv4.model.attention import banded_sink_attention
+from dsv4.reference.attention import sink_attention
+
+B, N, Q, H, D, K, C = 2, 3, 16, 4, 64, 48, 10
+
+
+def inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    def bf16_valued(*shape):  # fp32 tensors holding bf16 values, as the CPU path's upcast rows and queries
+        return torch.randn(*shape, generator=g).bfloat16().float()
+    q, raw, compressed = bf16_valued(B, N, Q, H, D), bf16_valued(B, N, K, D), bf16_valued(B, C, D)
+    raw_allowed = torch.rand(B, N, Q, K, generator=g) < 0.6
+    compressed_allowed = torch.rand(B, N, Q, C, generator=g) < 0.5
+    return q, raw, raw_allowed, torch.randn(H, generator=g), compressed, compressed_allowed
+
+
+def reference(q, raw, raw_allowed, sink, compressed, compressed_allowed, scale):
+    keys = torch.cat([raw, compressed.unsqueeze(1).expand(-1, N, -1, -1)], 2).flatten(0, 1).double()
+    allowed = torch.cat([raw_allowed, compressed_allowed], -1).flatten(0, 1)
+    out = sink_attention(q.flatten(0, 1).transpose(1, 2).double(), keys, allowed, sink.double(), scale)
+    return out.transpose(1, 2).unflatten(0, (B, N))  # [B, N, Q, H, D]
+
+
+@pytest.mark.parametrize("exact_bf16", [False, True])
+def test_banded_attention_equals_the_reference_over_band_and_compressed_rows(exact_bf16):
+    scale = D**-0.5
+    setting = torch.backends.mkldnn.matmul.fp32_precision
+    for seed in range(3):
+        args = inputs(seed)
+        want = reference(*args, scale)
+        got = banded_sink_attention(*args, scale=scale, exact_bf16=exact_bf16)
+        # fp32 sums in another order: far below a bf16 rounding of the weights (~4e-3 relative)
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-6, seed
+        alone = banded_sink_attention(*args[:4], scale=scale, exact_bf16=exact_bf16)
+        want_alone = reference(*args[:4], args[4][:, :0], args[5][..., :0], scale)
+        assert ((alone.double() - want_alone).abs().max() / want_alone.abs().max()).item() < 2e-6, seed
+    assert torch.backends.mkldnn.matmul.fp32_precision == setting  # scoped to the logits
+
+
+def test_the_bf16_setting_is_restored_when_the_attention_fails():
+    setting = torch.backends.mkldnn.matmul.fp32_precision
+    q, raw, raw_allowed, sink, *_ = inputs(0)
+    with pytest.raises(RuntimeError):
+        banded_sink_attention(q, raw[..., :-1], raw_allowed, sink, scale=1.0, exact_bf16=True)
+    assert torch.backends.mkldnn.matmul.fp32_precision == setting

@@ -28,7 +28,7 @@ def test_fault_injection_spec():
 
 
 @pytest.mark.parametrize("bad", [{"page_size": 100}, {"max_total_tokens": 64}, {"chunked_prefill_size": 8},
-                                 {"dtype": "float16"}, {"tick_stall_timeout": 0}])
+                                 {"dtype": "float16"}, {"tick_stall_timeout": 0}, {"cpu_threads": -1}])
 def test_invalid_arguments_are_named(bad):
     with pytest.raises(ConfigError, match=next(iter(bad)).replace("_", "-")):
         ServerArgs(**bad)

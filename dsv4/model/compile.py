@@ -147,7 +147,8 @@ def _assemble(eager: Pieces, compiled: dict[str, Callable]) -> Pieces:
 
     def attend_either(*tensors: torch.Tensor, exact_bf16: bool = False):
         # (q, raw, raw_allowed, sink[, compressed, compressed_allowed]); query blocks of prefill chunks
-        # (Q > 1) run eagerly, faster there, with their exact bf16 logits (see the module's docstring)
+        # (Q > 1) run eagerly, faster there (the module's docstring), with their exact bf16 logits
+        # (attention.banded_sink_attention); the packages serve decode tokens in plain fp32
         if tensors[0].shape[2] > 1:
             return eager.attend(*tensors, exact_bf16=exact_bf16)
         return (attend_compressed if len(tensors) == 6 else attend)(*tensors)

@@ -372,8 +372,9 @@ def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch
     if compressed is not None:
         compressed_weights = compressed_logits.sub_(peak).exp_()
         denominator += compressed_weights.sum(-1, keepdim=True)
-        out = torch.baddbmm(out.view(batch, blocks * block * heads, dim),
-                            compressed_weights.view(batch, blocks * block * heads, -1), compressed)
+        # (in place: out is this function's own, and a fresh result would first copy all of it)
+        out.view(batch, blocks * block * heads, dim).baddbmm_(compressed_weights.view(batch, blocks * block * heads, -1),
+                                                              compressed)
     return out.view(batch, blocks, block, heads, dim).div_(denominator)
 
 

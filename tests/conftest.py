@@ -47,7 +47,7 @@ def one_torch_thread():
 @pytest.fixture
 def torch_threads():
     """`with torch_threads(n):` runs a block under n torch threads, then restores the count: a runner
-    built under 2 picks 2 ("every core") for large forwards and 1 for small ones, so they differ."""
+    built under 2 takes 2 as "every core" (the session's one thread would leave its choices equal)."""
     @contextlib.contextmanager
     def under(count: int):
         threads = torch.get_num_threads()

@@ -249,7 +249,9 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
         kind = "hash" if b.ffn.router[1].dtype == torch.long else "scored"
         examples.setdefault(f"moe_dispatch_{kind}", (*moe_input, *b.ffn.router))
         examples.setdefault(f"moe_few_{kind}", (*moe_input, *b.ffn.router, b.ffn.w13, b.ffn.w2, *b.ffn.shared))
-    examples["moe_combine"] = (torch.zeros(picks, hidden, dtype=dtype, device=device),
+    examples["moe_combine"] = (torch.zeros(picks + ffn.w13.shape[0] * (moe.GROUP_ROWS - 1), hidden, dtype=dtype,
+                                           device=device),
+                               torch.arange(picks, device=device),
                                torch.zeros(picks, dtype=torch.long, device=device),
                                torch.zeros(picks, 1, dtype=acc, device=device),
                                torch.ones(picks, 1, dtype=torch.bool, device=device),
@@ -268,9 +270,9 @@ def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
     tokens = torch.export.Dim("tokens", min=1, max=ops.FEW_TOKENS) if few else torch.export.Dim("tokens", min=1)
     if name.startswith(("moe_dispatch", "moe_few")):  # (x, token_ids, gate, route, the experts' weights)
         return [{0: tokens}, {0: tokens}] + [None] * (len(example) - 2)
-    if name == "moe_combine":  # picks = tokens * k, which export cannot express: a symbol of its own
-        picks = torch.export.Dim("picks", min=1)
-        return [{0: picks}, {0: picks}, {0: picks}, {0: picks}, {0: tokens}, None, None]
+    if name == "moe_combine":  # picks = tokens * k, which export cannot express: a symbol of its own (and rows)
+        picks, rows = torch.export.Dim("picks", min=1), torch.export.Dim("rows", min=1)
+        return [{0: rows}, {0: picks}, {0: picks}, {0: picks}, {0: picks}, {0: tokens}, None, None]
     if name.startswith("attend"):
         b, n, q, k, c = (torch.export.Dim(dim, min=1) for dim in ("batch", "blocks", "block", "band", "compressed"))
         shapes = [{0: b, 1: n, 2: q}, {0: b, 1: n, 2: k}, {0: b, 1: n, 2: q, 3: k}, None]

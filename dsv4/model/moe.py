@@ -1,7 +1,9 @@
 """The MoE feed-forward, batched by expert (`grouped`): every (token, pick) pair is sorted by expert,
 every expert runs over its tokens in one grouped matmul per projection (`F.grouped_mm`: the gate and
-up projections fused, then the down projection), and the results are summed back. For the few tokens
-of a decode step, compiled, `few` reads each pick's expert in place instead (no sort, no grouped matmul).
+up projections fused, then the down projection), and the results are summed back; each expert's rows
+are padded with zero rows to a multiple of GROUP_ROWS, so its matmuls come in a few shapes. For the
+few tokens of a decode step, compiled, `few` reads each pick's expert in place instead (no sort, no
+grouped matmul).
 
 Routing: scores s = score_fn(x @ W_gate^T) in at least fp32; learned layers pick the top-k of s + bias
 (the bias only steers selection), hash layers pick tid2eid[token id]; the picks are weighted by their
@@ -24,6 +26,12 @@ from .ops import accumulation_dtype, linear, row_linear
 from .sharding import Reducer, ShardPlan
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# On the CPU, oneDNN builds a kernel for every matmul shape it has not seen (0.3..0.9 ms each), and a
+# group's row count changes with every batch: unpadded, each 256-token bf16 prefill of `small` built ~50
+# of them (~19 ms; the prefill took 185..195 ms, padded 154..159). Rounded up to 16 rows (the height of
+# an AMX tile, which computes whole tiles anyway), a group has at most picks / 16 + 1 shapes, each built
+# once.
+GROUP_ROWS = 16
 _SCORE_FUNCTIONS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt_(),
     "sigmoid": torch.sigmoid,
@@ -64,10 +72,10 @@ def grouped(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route:
     """The MoE of any number of tokens: `dispatch` and `combine` (the functions below with the model's
     constants bound, eager or compiled), and between them every expert over its rows in two grouped
     matmuls, whatever the split (no loop, no host sync). This rank's share [T, hidden] in at least fp32."""
-    rows, tokens, ends, scale, keep = dispatch(x, token_ids, gate, route)
+    rows, places, tokens, ends, scale, keep = dispatch(x, token_ids, gate, route)
     up = _grouped_matmul(rows.to(w13.dtype), w13, ends)
     outputs = _grouped_matmul(swiglu(up, swiglu_limit), w2, ends)  # rows past ends[-1] unset
-    return combine(outputs, tokens, scale, keep, x, shared_w13, shared_w2)
+    return combine(outputs, places, tokens, scale, keep, x, shared_w13, shared_w2)
 
 
 def few(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor, w13: torch.Tensor,
@@ -92,9 +100,11 @@ def dispatch(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route
              local_experts: int, top_k: int, scoring_func: str, norm_topk_prob: bool,
              routed_scaling_factor: float) -> tuple[torch.Tensor, ...]:
     """Routes x [T, hidden] (token ids [T]; `route`: tid2eid, long, or the gate's bias) and sorts the
-    (token, pick) pairs by this rank's experts first_expert..+local_experts. Returns the picks' rows
-    of x [P, hidden] in expert order, their tokens [P], the groups' ends [local_experts] (int32),
-    their weights [P, 1] in at least fp32 and whether each is this rank's [P, 1]."""
+    (token, pick) pairs by this rank's experts first_expert..+local_experts. Returns the groups' rows
+    [P + local_experts * (GROUP_ROWS - 1), hidden]: each expert's picks' rows of x, then zero rows up
+    to a multiple of GROUP_ROWS; then, for the P picks in expert order, the row each lies in [P], its
+    token [P], its weight [P, 1] in at least fp32 and whether it is this rank's [P, 1]; between them
+    the groups' ends in the rows [local_experts] (int32)."""
     experts, weights = _route(x, token_ids, gate, route, top_k, scoring_func, norm_topk_prob, routed_scaling_factor)
     # Stable sort by expert: each token's picks are then summed in ascending expert order. Picks of
     # other ranks' experts sort last, past the final group, and are dropped.
@@ -103,17 +113,28 @@ def dispatch(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route
     local = torch.where(mine, local, local_experts)
     order = torch.argsort(local, stable=True)
     tokens = order // top_k
+    local = local[order]
     # the ends from the sorted ids: a static shape (bincount's depends on the largest id)
-    ends = torch.searchsorted(local[order], torch.arange(local_experts, device=x.device), right=True)
-    return x[tokens], tokens, ends.to(torch.int32), weights.flatten()[order].unsqueeze(-1), mine[order].unsqueeze(-1)
+    ends = torch.searchsorted(local, torch.arange(local_experts + 1, device=x.device), right=True)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = torch.cat([(sizes[:-1] + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS, sizes[-1:]])
+    padded_ends = padded.cumsum(0)
+    # a pick's row: its rank in the sorted picks, moved by how far its group's start moved
+    places = torch.arange(local.shape[0], device=x.device) + ((padded_ends - padded) - (ends - sizes))[local]
+    rows = x.new_zeros(local.shape[0] + local_experts * (GROUP_ROWS - 1), x.shape[1])
+    rows[places] = x[tokens]
+    return (rows, places, tokens, padded_ends[:-1].to(torch.int32), weights.flatten()[order].unsqueeze(-1),
+            mine[order].unsqueeze(-1))
 
 
-def combine(outputs: torch.Tensor, tokens: torch.Tensor, scale: torch.Tensor, keep: torch.Tensor, x: torch.Tensor,
-            shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, *, swiglu_limit: float) -> torch.Tensor:
-    """The experts' outputs [P, hidden] (in `dispatch`'s order) weighted and summed per token, plus the
-    shared expert over x [T, hidden]: this rank's share of the MoE's output [T, hidden] in at least fp32."""
+def combine(outputs: torch.Tensor, places: torch.Tensor, tokens: torch.Tensor, scale: torch.Tensor,
+            keep: torch.Tensor, x: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, *,
+            swiglu_limit: float) -> torch.Tensor:
+    """The experts' outputs (rows laid out as `dispatch`'s) at the picks' `places`, weighted and summed
+    per token, plus the shared expert over x [T, hidden]: this rank's share of the MoE's output [T,
+    hidden] in at least fp32."""
     out = torch.zeros_like(x, dtype=scale.dtype)
-    out.index_add_(0, tokens, torch.where(keep, outputs.to(scale.dtype) * scale, 0))
+    out.index_add_(0, tokens, torch.where(keep, outputs[places].to(scale.dtype) * scale, 0))
     return _plus_shared(out, x, shared_w13, shared_w2, swiglu_limit, linear)
 
 

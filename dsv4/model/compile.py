@@ -43,12 +43,16 @@ layer and batch size. Its fused kernels run on one thread (`cpp.threads`): they 
 forking for each costs more than it saves (every package at two threads, the decode products then
 `row_linear`: a c=1 decode step of `small` took 24.4 ms in bf16 and 33.8 in fp32, against 21.3 and
 22.0 at one, the products matmuls); the matmuls inside follow the calling thread's count (every
-core, dsv4.engine.runner).
+core, dsv4.engine.runner). The attention's entry and exit are the exception: past `ops.FEW_TOKENS`
+tokens their query-sized passes (norms and RoPE over [tokens, heads, head_dim]) pay for the fork,
+so they have a second package whose kernels run on every thread (`_MANY_TOKENS`; at 256 tokens of
+`small` in bf16 the entry took 4.2 ms against 5.9 on one thread, the exit 1.0 against 1.1; at one
+token 0.48 against 0.46 and 0.13 against 0.14).
 
 Packages are kept in `cache` under a key of everything the code depends on (torch's version, the
 CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, and the source of this
-module and of those that define the math), so a restart on the same machine loads them (`small`'s twelve
-packages: the server ready 5.2 s after start; compiling them, 107..115 s to ready on 2 cores).
+module and of those that define the math), so a restart on the same machine loads them (`small`'s
+fourteen packages: the server ready 4.9 s after start; compiling them, 121 s to ready on 2 cores).
 Compiling or loading is bounded by `timeout`: past it, or on any failure, the model serves eagerly
 and says so (a slow compiler never keeps a server from starting; a compile that finishes late still
 fills the cache for the next start).
@@ -140,6 +144,11 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
     return _assemble(eager, compiled)
 
 
+# Pieces with a package for forwards past FEW_TOKENS tokens whose kernels run on every thread (the
+# module's docstring); the package named as the piece then serves at most FEW_TOKENS.
+_MANY_TOKENS = ("attention_entry", "attention_exit")
+
+
 def _assemble(eager: Pieces, compiled: dict[str, Callable]) -> Pieces:
     """The Pieces over the loaded packages: each call routed to the package for its sizes and kind;
     `eager`'s where no package serves (what a model lacks)."""
@@ -161,9 +170,9 @@ def _assemble(eager: Pieces, compiled: dict[str, Callable]) -> Pieces:
     def by_tokens(few: Callable, general: Callable) -> Callable:  # the first argument's rows are the tokens
         return lambda first, *rest: (few if first.shape[0] <= ops.FEW_TOKENS else general)(first, *rest)
 
+    entry, exit_ = (by_tokens(compiled[name], compiled[f"{name}_many"]) for name in _MANY_TOKENS)
     # (a model of window layers alone has no compressor to compile a feed for, nor index queries)
-    return Pieces(mix=compiled["mix"], attention_entry=compiled["attention_entry"], attend=attend_either,
-                  attention_exit=compiled["attention_exit"],
+    return Pieces(mix=compiled["mix"], attention_entry=entry, attend=attend_either, attention_exit=exit_,
                   compressor_feed=compiled.get("compressor_feed", eager.compressor_feed),
                   index_queries=compiled.get("index_queries", eager.index_queries),
                   moe=by_tokens(by_route("moe_few"), functools.partial(eager.moe, dispatch=by_route("moe_dispatch"),
@@ -184,13 +193,15 @@ class _Piece(torch.nn.Module):
 
 
 def _modules(cfg: ModelConfig, experts: range) -> dict[str, _Piece]:
-    """Every package's module by name (`moe_few_*`: forwards of at most FEW_TOKENS tokens)."""
+    """Every package's module by name (`moe_few_*` and the `_MANY_TOKENS` pieces' own names: forwards of
+    at most FEW_TOKENS tokens)."""
     constants, dispatch = _constants(cfg), moe.dispatch_constants(cfg, experts)
+    entry = _Piece(attention.attention_entry, **constants)
     return {"mix": _Piece(mhc.mix, **constants),
-            "attention_entry": _Piece(attention.attention_entry, **constants),
+            "attention_entry": entry, "attention_entry_many": entry,
             "attend": _Piece(attention.banded_sink_attention, scale=_scale(cfg)),
             "attend_compressed": _Piece(attention.banded_sink_attention, scale=_scale(cfg)),
-            "attention_exit": _Piece(attention.attention_exit),
+            "attention_exit": _Piece(attention.attention_exit), "attention_exit_many": _Piece(attention.attention_exit),
             "compressor_feed": _Piece(compressor.feed),
             "index_queries": _Piece(attention.index_queries, **_index_constants(cfg)),
             **{f"moe_dispatch_{kind}": _Piece(moe.dispatch, **dispatch) for kind in ("hash", "scored")},
@@ -223,8 +234,9 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
                   torch.ones(batch, blocks, queries, rows, dtype=torch.bool, device=device))
     entry = (*residual, *block.attn_hc.weights, *block.attn.input_weights, cos2, sin2)
     exit_ = (torch.zeros(tokens, heads, dim, dtype=dtype, device=device), cos2, sin2, block.attn.wo_a, block.attn.wo_b)
-    examples = {"mix": (*residual, *block.ffn_hc.weights), "attention_entry": entry, "attend": attend,
-                "attend_compressed": (*attend, *compressed), "attention_exit": exit_}
+    examples = {"mix": (*residual, *block.ffn_hc.weights), "attention_entry": entry, "attention_entry_many": entry,
+                "attend": attend, "attend_compressed": (*attend, *compressed), "attention_exit": exit_,
+                "attention_exit_many": exit_}
     # A compressor's feed at sizes of its own each (2 tokens, 3 state rows read, 5 windows of 7 slots, 9
     # rows updated; an ape of 13 x 17): every compressor of the model has other ratios and widths.
     apes = [b.attn.compressor.ape for b in model.blocks if b.attn.compressor is not None]
@@ -265,8 +277,13 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
 _ATTEND_EXAMPLE = (2, 3, 5, 7, 11)  # batch B, blocks N, queries per block Q, band K, compressed rows C
 
 
+def _few_tokens(name: str) -> bool:
+    """Whether the package serves forwards of at most FEW_TOKENS tokens only (on one thread)."""
+    return name.startswith("moe_few") or name in _MANY_TOKENS
+
+
 def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
-    few = name.startswith("moe_few")
+    few = _few_tokens(name)
     tokens = torch.export.Dim("tokens", min=1, max=ops.FEW_TOKENS) if few else torch.export.Dim("tokens", min=1)
     if name.startswith(("moe_dispatch", "moe_few")):  # (x, token_ids, gate, route, the experts' weights)
         return [{0: tokens}, {0: tokens}] + [None] * (len(example) - 2)
@@ -306,7 +323,8 @@ def _load_or_compile(package: Path, name: str, example: tuple[torch.Tensor, ...]
         # (the module's one parameter is the tuple of tensors)
         program = torch.export.export(module, example, dynamic_shapes=(tuple(_dynamic_shapes(name, example)),))
         partial = package.with_name(f"{package.stem}.{os.getpid()}.partial.pt2")
-        configs = {"cpp.threads": 1} if example[0].device.type == "cpu" else {}
+        # (a package for more tokens runs its kernels on every thread; the module's docstring)
+        configs = {"cpp.threads": 1} if example[0].device.type == "cpu" and not name.endswith("_many") else {}
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=configs)
         os.replace(partial, package)  # whole or absent: a concurrent start never loads half a package
     # The loaded package's own __call__ fetches its input and output tree specs and walks both trees

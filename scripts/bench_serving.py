@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dataset-name", default="random", help=f"comma-separated, of {', '.join(DATASETS)}")
     p.add_argument("--random-input-len", "--input-len", dest="input_len", type=int)
     p.add_argument("--random-output-len", "--output-len", dest="output_len", type=int)
-    p.add_argument("--num-prompts", type=int, help="per run (default: max(2, concurrency); a rate run 16)")
+    p.add_argument("--num-prompts", type=int, help="per run (default: max(8, concurrency); a rate run 16)")
     p.add_argument("--max-concurrency", help="the concurrency sweep, comma-separated ('' skips it)")
     p.add_argument("--request-rate", help="the rate sweep in req/s, comma-separated, inf allowed ('' skips it)")
     p.add_argument("--gsp-num-groups", type=int)

@@ -21,7 +21,9 @@ from bench.storm import format_storm, itl_across_storm
 class Workload:
     input_len: int = 256
     output_len: int = 32
-    num_prompts: int = 0  # 0: a concurrency run sends max(2, concurrency), a rate run 16
+    # 0: a concurrency run sends max(8, concurrency), a rate run 16 (medians over 2 requests, as c=1 had,
+    # moved its ratios by up to 0.2x between runs on a shared 2-core machine)
+    num_prompts: int = 0
     gsp_num_groups: int = 4
     gsp_prompts_per_group: int = 4
     gsp_system_prompt_len: int = 512
@@ -91,7 +93,7 @@ def prompts_for(run: Run, work: Workload, index: int) -> list[list[int]]:
     if run.dataset == "generated-shared-prefix":
         return shared_prefix_prompts(work.gsp_num_groups, work.gsp_prompts_per_group, work.gsp_system_prompt_len,
                                      work.gsp_question_len, seed)
-    n = work.num_prompts or (max(2, run.concurrency) if run.kind == "concurrency" else 16)
+    n = work.num_prompts or (max(8, run.concurrency) if run.kind == "concurrency" else 16)
     return random_prompts(n, work.input_len, seed)
 
 

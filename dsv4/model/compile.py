@@ -196,18 +196,23 @@ def _modules(cfg: ModelConfig, experts: range) -> dict[str, _Piece]:
     """Every package's module by name (`moe_few_*` and the `_MANY_TOKENS` pieces' own names: forwards of
     at most FEW_TOKENS tokens)."""
     constants, dispatch = _constants(cfg), moe.dispatch_constants(cfg, experts)
-    entry = _Piece(attention.attention_entry, **constants)
-    return {"mix": _Piece(mhc.mix, **constants),
-            "attention_entry": entry, "attention_entry_many": entry,
-            "attend": _Piece(attention.banded_sink_attention, scale=_scale(cfg)),
-            "attend_compressed": _Piece(attention.banded_sink_attention, scale=_scale(cfg)),
-            "attention_exit": _Piece(attention.attention_exit), "attention_exit_many": _Piece(attention.attention_exit),
-            "compressor_feed": _Piece(compressor.feed),
-            "index_queries": _Piece(attention.index_queries, **_index_constants(cfg)),
-            **{f"moe_dispatch_{kind}": _Piece(moe.dispatch, **dispatch) for kind in ("hash", "scored")},
-            **{f"moe_few_{kind}": _Piece(moe.few, **dispatch, swiglu_limit=cfg.swiglu_limit)
-               for kind in ("hash", "scored")},
-            "moe_combine": _Piece(moe.combine, swiglu_limit=cfg.swiglu_limit)}
+    return _with_many_tokens({
+        "mix": _Piece(mhc.mix, **constants),
+        "attention_entry": _Piece(attention.attention_entry, **constants),
+        "attend": _Piece(attention.banded_sink_attention, scale=_scale(cfg)),
+        "attend_compressed": _Piece(attention.banded_sink_attention, scale=_scale(cfg)),
+        "attention_exit": _Piece(attention.attention_exit),
+        "compressor_feed": _Piece(compressor.feed),
+        "index_queries": _Piece(attention.index_queries, **_index_constants(cfg)),
+        **{f"moe_dispatch_{kind}": _Piece(moe.dispatch, **dispatch) for kind in ("hash", "scored")},
+        **{f"moe_few_{kind}": _Piece(moe.few, **dispatch, swiglu_limit=cfg.swiglu_limit)
+           for kind in ("hash", "scored")},
+        "moe_combine": _Piece(moe.combine, swiglu_limit=cfg.swiglu_limit)})
+
+
+def _with_many_tokens(by_name: dict) -> dict:
+    """`by_name` plus, for each of the _MANY_TOKENS pieces, its many-token package's entry: the same."""
+    return {**by_name, **{f"{name}_many": by_name[name] for name in _MANY_TOKENS}}
 
 
 def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -234,9 +239,8 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
                   torch.ones(batch, blocks, queries, rows, dtype=torch.bool, device=device))
     entry = (*residual, *block.attn_hc.weights, *block.attn.input_weights, cos2, sin2)
     exit_ = (torch.zeros(tokens, heads, dim, dtype=dtype, device=device), cos2, sin2, block.attn.wo_a, block.attn.wo_b)
-    examples = {"mix": (*residual, *block.ffn_hc.weights), "attention_entry": entry, "attention_entry_many": entry,
-                "attend": attend, "attend_compressed": (*attend, *compressed), "attention_exit": exit_,
-                "attention_exit_many": exit_}
+    examples = {"mix": (*residual, *block.ffn_hc.weights), "attention_entry": entry, "attend": attend,
+                "attend_compressed": (*attend, *compressed), "attention_exit": exit_}
     # A compressor's feed at sizes of its own each (2 tokens, 3 state rows read, 5 windows of 7 slots, 9
     # rows updated; an ape of 13 x 17): every compressor of the model has other ratios and widths.
     apes = [b.attn.compressor.ape for b in model.blocks if b.attn.compressor is not None]
@@ -271,7 +275,8 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
     # A package's kernels index every input with the strides its example had, unchecked, and `piece`
     # passes contiguous tensors: an example laid out otherwise (a weight that is a view, as dsv4.tiny's
     # tid2eid is) compiles kernels that read the served tensor's elements from the wrong places.
-    return {name: tuple(None if t is None else t.contiguous() for t in tensors) for name, tensors in examples.items()}
+    return _with_many_tokens({name: tuple(None if t is None else t.contiguous() for t in tensors)
+                              for name, tensors in examples.items()})
 
 
 _ATTEND_EXAMPLE = (2, 3, 5, 7, 11)  # batch B, blocks N, queries per block Q, band K, compressed rows C

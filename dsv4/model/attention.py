@@ -20,6 +20,7 @@ reading the pools directly; the torch code above is the CPU path.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -258,17 +259,18 @@ class PagedAttention:
 
 
 def project_inputs(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor, wq_b: torch.Tensor,
-                   kv_norm: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, *, eps: float) -> AttentionInputs:
+                   kv_norm: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, *, eps: float,
+                   product: Callable = linear) -> AttentionInputs:
     """Every projection of the layer input x [T, hidden] as one product (`w_input`: wq_a, wkv, then the
     rest), the query and raw-row norms and their rotation at the tokens' positions (RoPE tables cos2,
     sin2 [T, R]). Shapes come from the weights, so one compiled form serves every layer (the part past
     wq_a | wkv, empty in window layers, is left in the product: sliced out here, its width would be
-    specialised)."""
+    specialised). `product`: `linear`, or `ops.decode_linear` in the compiled pieces of decode steps."""
     q_rank, head_dim = q_norm.shape[0], kv_norm.shape[0]
-    projected = linear(x, w_input)
+    projected = product(x, w_input)
     q_low, kv = projected[:, :q_rank], projected[:, q_rank : q_rank + head_dim]
     qr = rms_norm(q_low, q_norm, eps)
-    q = linear(qr, wq_b).unflatten(-1, (-1, head_dim))
+    q = product(qr, wq_b).unflatten(-1, (-1, head_dim))
     q = rotate_(rms_norm(q, None, eps), cos2, sin2)
     kv = rotate_(rms_norm(kv, kv_norm, eps), cos2, sin2)
     return AttentionInputs(x, q, kv, qr, projected)
@@ -277,24 +279,27 @@ def project_inputs(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor,
 def attention_entry(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor, w_input: torch.Tensor,
                     q_norm: torch.Tensor, wq_b: torch.Tensor, kv_norm: torch.Tensor, cos2: torch.Tensor,
-                    sin2: torch.Tensor, *, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+                    sin2: torch.Tensor, *, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                    product: Callable = linear):
     """From a layer's incoming residual to its attention's projected input: `mix` (the last sublayer's
     output written, the attention's input collapsed and normed), then `project_inputs`. Returns
-    (streams, post, comb, *AttentionInputs): one piece, so that one compiled call covers all of it."""
+    (streams, post, comb, *AttentionInputs): one piece, so that one compiled call covers all of it.
+    `product`: as `project_inputs`'."""
     streams, x, post, comb = mix(streams, output, post, comb, fn, base, scale, norm, n=n,
                                  sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
-    return (streams, post, comb, *project_inputs(x, w_input, q_norm, wq_b, kv_norm, cos2, sin2, eps=norm_eps))
+    return (streams, post, comb, *project_inputs(x, w_input, q_norm, wq_b, kv_norm, cos2, sin2, eps=norm_eps,
+                                                 product=product))
 
 
 def attention_exit(out: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, wo_a: torch.Tensor,
-                   wo_b: torch.Tensor) -> torch.Tensor:
+                   wo_b: torch.Tensor, *, product: Callable = linear) -> torch.Tensor:
     """The attention's output [T, H, D] (ours to overwrite) -> the layer's output [T, hidden]: the
     rotation undone at the tokens' positions (tables cos2, sin2 [T, R]), then the grouped low-rank
     projection (wo_a [G, o_lora_rank, heads/G * D]) and wo_b. One piece: compiled, the rotation's
-    passes and both products are one call."""
+    passes and both products are one call. `product`: as `project_inputs`'."""
     out = rotate_(out, cos2, sin2, inverse=True)
     grouped = out.flatten(1).unflatten(-1, (wo_a.shape[0], -1))  # [T, G, heads/G * D]
-    return linear(linear(grouped, wo_a).flatten(1), wo_b)
+    return product(product(grouped, wo_a).flatten(1), wo_b)
 
 
 def index_queries(qr: torch.Tensor, head_weights: torch.Tensor, wq_b: torch.Tensor, cos2: torch.Tensor,

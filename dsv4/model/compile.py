@@ -39,15 +39,21 @@ Each compiled piece is the eager function exported as it stands: the same math, 
 summation order of the fused code may differ, within fp32 rounding. Its batch sizes are symbolic
 (tokens; the MoE's picks; the attention's batch, blocks, band and compressed rows; and the width of the layer's input
 projection, which differs between window, HCA and CSA layers), so one package per piece serves every
-layer and batch size. Its fused kernels run on one thread (`cpp.threads`): they are small, and
-forking for each costs more than it saves (every package at two threads, the decode products then
-`row_linear`: a c=1 decode step of `small` took 24.4 ms in bf16 and 33.8 in fp32, against 21.3 and
-22.0 at one, the products matmuls); the matmuls inside follow the calling thread's count (every
-core, dsv4.engine.runner). The attention's entry and exit are the exception: past `ops.FEW_TOKENS`
-tokens their query-sized passes (norms and RoPE over [tokens, heads, head_dim]) pay for the fork,
-so they have a second package whose kernels run on every thread (`_MANY_TOKENS`; at 256 tokens of
-`small` in bf16 the entry took 4.2 ms against 5.9 on one thread, the exit 1.0 against 1.1; at one
-token 0.48 against 0.46 and 0.13 against 0.14).
+layer and batch size. The fused kernels of the pieces that serve every batch size run on one thread
+(`cpp.threads`, `_ONE_THREAD`): they are small, and forking for each costs more than it saves (every
+package at two threads, the decode products then `row_linear`: a c=1 decode step of `small` took
+24.4 ms in bf16 and 33.8 in fp32, against 21.3 and 22.0 at one, the products matmuls); the matmuls
+inside follow the calling thread's count (every core, dsv4.engine.runner). The attention's entry and
+exit have two packages each, both on every thread (`_BY_TOKENS`):
+- one for forwards of at most `ops.DECODE_TOKENS` tokens, whose products are `ops.decode_linear`'s:
+  in bf16, products summed over the output features spread over every thread instead of oneDNN's
+  one-row matmuls (a c=1 bf16 decode step of `small`: 17.0 -> 15.2..15.7 ms, the entries 5.5 -> 4.1 ms
+  of it, the exits 2.3 -> 1.7);
+- one for more tokens, whose query-sized passes (norms and RoPE over [tokens, heads, head_dim])
+  pay for the fork (at 256 tokens of `small` in bf16 the entry took 4.2 ms against 5.9 on one
+  thread, the exit 1.0 against 1.1).
+The decode steps' MoE (`moe_few`) runs on every thread too: its products spread over the tokens
+(two tokens in bf16: 231 against 453 us a layer; one, 194 against 200).
 
 Packages are kept in `cache` under a key of everything the code depends on (torch's version, the
 CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, and the source of this
@@ -144,9 +150,11 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
     return _assemble(eager, compiled)
 
 
-# Pieces with a package for forwards past FEW_TOKENS tokens whose kernels run on every thread (the
-# module's docstring); the package named as the piece then serves at most FEW_TOKENS.
-_MANY_TOKENS = ("attention_entry", "attention_exit")
+# Pieces with two packages (the module's docstring): the one named as the piece serves forwards of at
+# most DECODE_TOKENS tokens, with `ops.decode_linear`'s products; `<name>_many` serves the rest.
+_BY_TOKENS = ("attention_entry", "attention_exit")
+# Packages (by name prefix) whose fused kernels run on one thread
+_ONE_THREAD = ("mix", "attend", "compressor_feed", "index_queries", "moe_dispatch", "moe_combine")
 
 
 def _assemble(eager: Pieces, compiled: dict[str, Callable]) -> Pieces:
@@ -167,16 +175,17 @@ def _assemble(eager: Pieces, compiled: dict[str, Callable]) -> Pieces:
         return lambda x, token_ids, gate, route, *weights: packages["hash" if route.dtype == torch.long else "scored"](
             x, token_ids, gate, route, *weights)
 
-    def by_tokens(few: Callable, general: Callable) -> Callable:  # the first argument's rows are the tokens
-        return lambda first, *rest: (few if first.shape[0] <= ops.FEW_TOKENS else general)(first, *rest)
+    def by_tokens(few: Callable, general: Callable, limit: int) -> Callable:  # the first argument's rows: tokens
+        return lambda first, *rest: (few if first.shape[0] <= limit else general)(first, *rest)
 
-    entry, exit_ = (by_tokens(compiled[name], compiled[f"{name}_many"]) for name in _MANY_TOKENS)
+    entry, exit_ = (by_tokens(compiled[name], compiled[f"{name}_many"], ops.DECODE_TOKENS) for name in _BY_TOKENS)
     # (a model of window layers alone has no compressor to compile a feed for, nor index queries)
     return Pieces(mix=compiled["mix"], attention_entry=entry, attend=attend_either, attention_exit=exit_,
                   compressor_feed=compiled.get("compressor_feed", eager.compressor_feed),
                   index_queries=compiled.get("index_queries", eager.index_queries),
                   moe=by_tokens(by_route("moe_few"), functools.partial(eager.moe, dispatch=by_route("moe_dispatch"),
-                                                                       combine=compiled["moe_combine"])),
+                                                                       combine=compiled["moe_combine"]),
+                                ops.FEW_TOKENS),
                   compiled=True)
 
 
@@ -193,26 +202,23 @@ class _Piece(torch.nn.Module):
 
 
 def _modules(cfg: ModelConfig, experts: range) -> dict[str, _Piece]:
-    """Every package's module by name (`moe_few_*` and the `_MANY_TOKENS` pieces' own names: forwards of
-    at most FEW_TOKENS tokens)."""
+    """Every package's module by name (`moe_few_*` and the `_BY_TOKENS` pieces' own names: forwards of
+    few tokens, `_token_limit`)."""
     constants, dispatch = _constants(cfg), moe.dispatch_constants(cfg, experts)
-    return _with_many_tokens({
+    return {
         "mix": _Piece(mhc.mix, **constants),
-        "attention_entry": _Piece(attention.attention_entry, **constants),
+        "attention_entry": _Piece(attention.attention_entry, **constants, product=ops.decode_linear),
+        "attention_entry_many": _Piece(attention.attention_entry, **constants),
         "attend": _Piece(attention.banded_sink_attention, scale=_scale(cfg)),
         "attend_compressed": _Piece(attention.banded_sink_attention, scale=_scale(cfg)),
-        "attention_exit": _Piece(attention.attention_exit),
+        "attention_exit": _Piece(attention.attention_exit, product=ops.decode_linear),
+        "attention_exit_many": _Piece(attention.attention_exit),
         "compressor_feed": _Piece(compressor.feed),
         "index_queries": _Piece(attention.index_queries, **_index_constants(cfg)),
         **{f"moe_dispatch_{kind}": _Piece(moe.dispatch, **dispatch) for kind in ("hash", "scored")},
         **{f"moe_few_{kind}": _Piece(moe.few, **dispatch, swiglu_limit=cfg.swiglu_limit)
            for kind in ("hash", "scored")},
-        "moe_combine": _Piece(moe.combine, swiglu_limit=cfg.swiglu_limit)})
-
-
-def _with_many_tokens(by_name: dict) -> dict:
-    """`by_name` plus, for each of the _MANY_TOKENS pieces, its many-token package's entry: the same."""
-    return {**by_name, **{f"{name}_many": by_name[name] for name in _MANY_TOKENS}}
+        "moe_combine": _Piece(moe.combine, swiglu_limit=cfg.swiglu_limit)}
 
 
 def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -275,21 +281,23 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
     # A package's kernels index every input with the strides its example had, unchecked, and `piece`
     # passes contiguous tensors: an example laid out otherwise (a weight that is a view, as dsv4.tiny's
     # tid2eid is) compiles kernels that read the served tensor's elements from the wrong places.
-    return _with_many_tokens({name: tuple(None if t is None else t.contiguous() for t in tensors)
-                              for name, tensors in examples.items()})
+    examples.update({f"{name}_many": examples[name] for name in _BY_TOKENS})
+    return {name: tuple(None if t is None else t.contiguous() for t in tensors) for name, tensors in examples.items()}
 
 
 _ATTEND_EXAMPLE = (2, 3, 5, 7, 11)  # batch B, blocks N, queries per block Q, band K, compressed rows C
 
 
-def _few_tokens(name: str) -> bool:
-    """Whether the package serves forwards of at most FEW_TOKENS tokens only (on one thread)."""
-    return name.startswith("moe_few") or name in _MANY_TOKENS
+def _token_limit(name: str) -> int | None:
+    """The most tokens the package serves (None: any number)."""
+    if name.startswith("moe_few"):
+        return ops.FEW_TOKENS
+    return ops.DECODE_TOKENS if name in _BY_TOKENS else None
 
 
 def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
-    few = _few_tokens(name)
-    tokens = torch.export.Dim("tokens", min=1, max=ops.FEW_TOKENS) if few else torch.export.Dim("tokens", min=1)
+    limit = _token_limit(name)
+    tokens = torch.export.Dim("tokens", min=1, max=limit) if limit else torch.export.Dim("tokens", min=1)
     if name.startswith(("moe_dispatch", "moe_few")):  # (x, token_ids, gate, route, the experts' weights)
         return [{0: tokens}, {0: tokens}] + [None] * (len(example) - 2)
     if name == "moe_combine":  # picks = tokens * k, which export cannot express: a symbol of its own (and rows)
@@ -328,8 +336,7 @@ def _load_or_compile(package: Path, name: str, example: tuple[torch.Tensor, ...]
         # (the module's one parameter is the tuple of tensors)
         program = torch.export.export(module, example, dynamic_shapes=(tuple(_dynamic_shapes(name, example)),))
         partial = package.with_name(f"{package.stem}.{os.getpid()}.partial.pt2")
-        # (a package for more tokens runs its kernels on every thread; the module's docstring)
-        configs = {"cpp.threads": 1} if example[0].device.type == "cpu" and not name.endswith("_many") else {}
+        configs = {"cpp.threads": 1} if example[0].device.type == "cpu" and name.startswith(_ONE_THREAD) else {}
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=configs)
         os.replace(partial, package)  # whole or absent: a concurrent start never loads half a package
     # The loaded package's own __call__ fetches its input and output tree specs and walks both trees

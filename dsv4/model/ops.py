@@ -30,19 +30,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # Forwards of at most this many tokens (decode steps of up to four requests) run the compiled MoE that
 # reads each pick's expert in place (`moe.few`, with `row_linear`); past it the grouped matmuls pay.
 FEW_TOKENS = 4
+# Forwards of at most this many tokens run the attention's compiled entry and exit with `decode_linear`'s
+# products; from three tokens on, bf16 matmuls are faster (see there).
+DECODE_TOKENS = 2
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`linear` for the few rows of a decode step, written as products summed in at least fp32 and
     rounded once into the weight's dtype (what a matmul computes, summed in another order). The
     compiled MoE of a decode step (`moe.few`) multiplies by each pick's expert this way, so that the
-    indexed weight is read in place rather than copied. Compiled, it is a fused kernel on one thread
-    (dsv4/model/compile.py): for a whole weight, a matmul over every core is faster (Xeon with AMX,
-    2 cores, one row of a 256 x 8192 weight: bf16 6.5 GB/s against F.linear's 14.2, fp32 7.8 against
-    22.3); on one thread of a Zen 4, where MKL is slow, it was the other way (fp32 20 GB/s against
-    7.8). Eager it would materialise every product: never run it so."""
+    indexed weight is read in place rather than copied. Compiled, it is a fused kernel whose threads
+    split the tokens (dsv4/model/compile.py): for a whole weight, a matmul over every core is faster
+    (Xeon with AMX, 2 cores, one row of a 256 x 8192 weight on one thread: bf16 6.5 GB/s against
+    F.linear's 14.2, fp32 7.8 against 22.3); on one thread of a Zen 4, where MKL is slow, it was the
+    other way (fp32 20 GB/s against 7.8). Eager it would materialise every product: never run it so."""
     acc = accumulation_dtype(weight.dtype)
     return (x.to(weight.dtype).to(acc).unsqueeze(-2) * weight.to(acc)).sum(-1).to(weight.dtype)
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`linear` for the one or two rows of a decode step (x [T, in], or grouped x [T, G, in]), inside a
+    compiled piece. A bf16 (or fp16) weight is multiplied as products summed in fp32 with the output
+    features as the outer loop, which the compiled kernel spreads over every thread and which reads the
+    weight once: oneDNN's bf16 matmul of a row or two lays its weight out anew on every call (Xeon
+    with AMX, 2 cores, one row: a [8192, 256] bf16 weight 151 us against F.linear's 246, [512, 512] 20
+    against 40; at four rows the matmul wins, 309 against 389 us). An fp32 weight takes F.linear,
+    which streams it at full speed already. The same sums as a matmul in another order, rounded once
+    into the weight's dtype. Eager it would materialise every product: compiled only."""
+    acc = accumulation_dtype(weight.dtype)
+    if weight.dtype == acc:
+        return linear(x, weight)
+    if weight.dim() == 3:  # one group at a time: their number is the model's, so the loop unrolls
+        return torch.stack([decode_linear(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
+    return (weight.to(acc).unsqueeze(1) * x.to(weight.dtype).to(acc).unsqueeze(0)).sum(-1).t().to(weight.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 
 from dsv4.config import ModelConfig, ServerArgs
 from dsv4.engine.runner import ModelRunner
+from dsv4.model import compile, ops
 from dsv4.protocol import ForwardBatch, ForwardChunk
 from dsv4.weights import load_state_dict
 
@@ -89,6 +90,7 @@ import logging, sys, torch
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 from dsv4.config import ModelConfig, ServerArgs
 from dsv4.engine.runner import ModelRunner
+from dsv4.model import compile, ops
 from dsv4.protocol import ForwardBatch, ForwardChunk
 from dsv4.weights import load_state_dict
 cfg = ModelConfig.from_json({str(tiny_ckpt)!r})
@@ -106,3 +108,35 @@ print("compiled:", r.compiled)
                           env={**os.environ, "DSV4_DISABLE_COMPILE": "0", "DSV4_CACHE_DIR": str(compile_cache)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compiled: False" in done.stdout and "did not finish within" in done.stdout, done.stdout
+
+
+def test_bf16_decode_packages_equal_eager(model, compile_cache):
+    """In bf16 the entry's and exit's decode packages multiply as `ops.decode_linear` (products summed
+    over the output features) where the eager pieces call oneDNN's matmuls: at one and two tokens,
+    compiled, they give the eager pieces' results within a bf16 rounding."""
+    cfg, weights = model
+    m = ModelRunner(cfg, weights, ServerArgs(dtype="bfloat16", page_size=PAGE, max_running_requests=2,
+                                             max_total_tokens=4 * PAGE, disable_compile=True)).model
+    examples, modules = compile._examples(m), compile._modules(cfg, m.blocks[0].ffn.experts)
+    g = torch.Generator().manual_seed(5)
+    for name in ("attention_entry", "attention_exit"):
+        piece = compile._load_or_compile(compile_cache / f"{name}-bf16.pt2", name, examples[name], modules[name])
+        eager = modules[name].function
+        constants = {k: v for k, v in modules[name].constants.items() if k != "product"}
+        assert modules[name].constants["product"] is ops.decode_linear
+        for tokens in (1, ops.DECODE_TOKENS):
+            # every per-token input random at this many tokens; the weights are the layer's
+            args = [torch.randn(tokens, *t.shape[1:], generator=g).to(t.dtype) if i in _TOKEN_ARGS[name] else t
+                    for i, t in enumerate(examples[name])]
+            got = piece(*(t.clone() for t in args))
+            want = eager(*(t.clone() for t in args), **constants)
+            for got_part, want_part in zip(got if isinstance(got, tuple) else (got,),
+                                           want if isinstance(want, tuple) else (want,), strict=True):
+                assert got_part.dtype == want_part.dtype and got_part.shape == want_part.shape
+                scale = want_part.float().abs().max()
+                assert (got_part.float() - want_part.float()).abs().max() <= 2e-2 * scale, name
+
+
+# The arguments that have a row per token: the entry's residual (4) and RoPE tables (the last 2); the
+# exit's attention output and tables
+_TOKEN_ARGS = {"attention_entry": (0, 1, 2, 3, 12, 13), "attention_exit": (0, 1, 2)}

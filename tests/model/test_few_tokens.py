@@ -1,5 +1,5 @@
 """The decode steps' MoE (dsv4/model/compile.py, `moe_few`) against the general form, eagerly: `row_linear`
-against `linear`, and the MoE that reads each pick's expert in place (`moe.few`) against the sorted,
+(and the attention's `decode_linear`) against `linear`, and the MoE that reads each pick's expert in place (`moe.few`) against the sorted,
 grouped one (`moe.grouped`), on every tensor-parallel rank's share of the experts. (Compiled, it is
 checked through the whole model in test_compile.py, at TP=1.)"""
 
@@ -11,20 +11,21 @@ import pytest
 import torch
 
 from dsv4.model import moe
-from dsv4.model.ops import FEW_TOKENS, linear, row_linear
+from dsv4.model.ops import FEW_TOKENS, decode_linear, linear, row_linear
 
 HIDDEN, INTER, EXPERTS, TOP_K, LIMIT = 64, 32, 8, 2, 10.0
 
 
+@pytest.mark.parametrize("product", [row_linear, decode_linear])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_linear_is_linear(dtype):
+def test_products_are_linear(dtype, product):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 48, generator=g).to(dtype)
     weight = torch.randn(40, 48, generator=g).to(dtype)
     grouped = torch.randn(4, 16, 12, generator=g).to(dtype)  # [G, out, in]: wo_a's shape
     x_grouped = torch.randn(3, 4, 12, generator=g).to(dtype)
     rel = 1e-6 if dtype == torch.float32 else 1e-2  # fp32 sums in another order; bf16: one rounding apart
-    for got, want in ((row_linear(x, weight), linear(x, weight)), (row_linear(x_grouped, grouped), linear(x_grouped, grouped))):
+    for got, want in ((product(x, weight), linear(x, weight)), (product(x_grouped, grouped), linear(x_grouped, grouped))):
         assert got.dtype == want.dtype == dtype and got.shape == want.shape
         assert (got.float() - want.float()).abs().max() <= rel * want.float().abs().max()
 

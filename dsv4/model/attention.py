@@ -95,8 +95,8 @@ class PagedAttention:
         """The layer's projected input (`project_inputs` with `input_weights`) -> [T, hidden]; stores
         this layer's rows of the batch. `rope` rotates at the batch's positions. A CSA layer hands its
         indexer's inputs and selection to `on_selection` (--verify-indexer). `pieces`: the model's
-        implementations of `banded_sink_attention` (the CPU path), `attention_exit`, `index_queries`
-        and the compressors' `feed`, each eager or compiled."""
+        implementations of `banded_sink_attention` and `decode_sink_attention` (the CPU path),
+        `attention_exit`, `index_queries` and the compressors' `feed`, each eager or compiled."""
         cfg, pools, positions = self.cfg, self.pools, plan.positions
         x, q, kv, qr, projected = inputs
         compressor_inputs = projected[:, self.rest_start :].split(self.rest_widths, dim=-1)
@@ -129,9 +129,8 @@ class PagedAttention:
                 picks = [self._picks(group, index_queries, positions) for group in plan.groups]
                 if on_selection is not None:
                     on_selection(IndexerSelection(self.layer, x, *index_queries, _token_picks(picks, cfg.index_topk)))
-            attend = pieces.attend
-            out = torch.cat([self._attend_decodes(group, q, raw_rows, positions, group_picks, attend) if group.length == 1
-                             else self._attend(group, q, raw_keys, group_picks, attend)
+            out = torch.cat([self._attend_decodes(group, q, raw_rows, positions, group_picks, pieces.attend_decodes)
+                             if group.length == 1 else self._attend(group, q, raw_keys, group_picks, pieces.attend)
                              for group, group_picks in zip(plan.groups, picks, strict=True)])
         ring = plan.ring_write
         put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
@@ -188,27 +187,30 @@ class PagedAttention:
         return out.flatten(1, 2)[:, :length].flatten(0, 1).to(q.dtype)  # [B*L, H, D]
 
     def _attend_decodes(self, group: AttentionGroup, q: torch.Tensor, raw_rows: torch.Tensor, positions: torch.Tensor,
-                        picks, attend) -> torch.Tensor:
+                        picks, attend_decodes) -> torch.Tensor:
         """`_attend` for a group of one-token chunks: each token's raw row enters its slot's ring first
         (it replaces position p - W, which the query at p no longer sees), then the query attends over
         the whole ring, rows r <= p that exist, in ring order rather than position order (the same
         softmax up to summation order). One gather of W rows per token, no band to assemble (the
-        layer's ring write after attention stores the same bytes again)."""
-        acc, window = accumulation_dtype(q.dtype), self.cfg.sliding_window
+        layer's ring write after attention stores the same bytes again). `attend_decodes`:
+        `decode_sink_attention`, eager or compiled."""
+        window = self.cfg.sliding_window
         pool, slots, at = self.pools.window(self.layer), group.slots[:, 0], group.rows(positions)[:, 0]
         put_rows(pool, (slots, at % window), group.rows(raw_rows)[:, 0])
-        exists = torch.arange(window, device=at.device) <= at.unsqueeze(-1)  # [B, W]: all once p >= W - 1
-        ring = self._gather_main_rows(pool, (slots,), exists).to(acc)  # [B, W, D]: each slot's whole ring
-        queries = group.rows(q).unsqueeze(1).to(acc)  # [B, 1, 1, H, D]
-        out = self._sink_attention(group, queries, ring.unsqueeze(1), exists.view(group.batch, 1, 1, window), picks, 0,
-                                   attend)
-        return out.flatten(0, 2).to(q.dtype)  # [B, H, D]
+        ring = self._main_rows_at(pool, slots)  # [B, W, D]: each slot's whole ring
+        queries = group.rows(q)[:, 0]  # [B, H, D]
+        seen = group.compressed[self.ratio] if self.compressor is not None else None
+        if seen is None or seen.pages.shape[1] == 0:  # no compressed row (yet)
+            return attend_decodes(queries, ring, at, self.sink)
+        compressed = self._main_rows_at(self.pools.compressed_rows(self.layer), seen.pages, seen.page_rows)
+        allowed = (seen.visible if picks is None else _picks_mask(picks, seen.pages.shape[1]))[:, 0]  # [B, C]
+        return attend_decodes(queries, ring, at, self.sink, compressed, seen.exists, allowed)
 
     def _sink_attention(self, group: AttentionGroup, queries: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor,
                         picks, pad: int, attend, *, exact_bf16: bool = False) -> torch.Tensor:
         """queries [B, N, Q, H, D] over their bands raw [B, N, K, D] (raw_allowed [B, N, Q, K]) plus the
         compressed rows the group's queries see (the last block's `pad` queries past the chunk see
-        none) -> [B, N, Q, H, D], through `attend` (`banded_sink_attention`, eager or compiled);
+        none) -> [B, N, Q, H, D], through `attend` (`banded_sink_attention`);
         `exact_bf16`: see there."""
         blocks, block = queries.shape[1:3]
         seen = group.compressed[self.ratio] if self.compressor is not None else None
@@ -244,11 +246,22 @@ class PagedAttention:
         """pool[index] as the cache returns it, [*gathered rows' shape, head_dim]; rows that do not exist
         (`exists` False: before position 0, past a shorter request's end, not yet written) read as
         zeros, whatever bytes their storage holds."""
-        packed = take_rows(pool, *index)
-        rows = self._main_rows(packed.flatten(0, -2)).unflatten(0, packed.shape[:-1])
+        rows = self._main_rows_at(pool, *index)
         if bool(exists.all()):  # (most decode steps' rings): nothing to zero
             return rows
         return rows.masked_fill_(~exists.unsqueeze(-1), 0)  # rows: a fresh gather, ours to change
+
+    @property
+    def main_rows_dtype(self) -> torch.dtype:
+        """The dtype the cache returns this layer's rows in."""
+        return self._main_rows(torch.zeros(1, self.pools.main_row_bytes, dtype=torch.uint8,
+                                           device=self.pools.device)).dtype
+
+    def _main_rows_at(self, pool: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
+        """pool[index] as the cache returns it, [*index's shape, head_dim]; whatever rows that do not
+        exist hold (their readers mask them)."""
+        packed = take_rows(pool, *index)
+        return self._main_rows(packed.flatten(0, -2)).unflatten(0, packed.shape[:-1])
 
     def _main_rows(self, packed: torch.Tensor) -> torch.Tensor:
         """Packed main rows [N, bytes] -> [N, head_dim] as the cache returns them."""
@@ -381,6 +394,31 @@ def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch
         out.view(batch, blocks * block * heads, dim).baddbmm_(compressed_weights.view(batch, blocks * block * heads, -1),
                                                               compressed)
     return out.view(batch, blocks, block, heads, dim).div_(denominator)
+
+
+def decode_sink_attention(q: torch.Tensor, ring: torch.Tensor, at: torch.Tensor, sink: torch.Tensor,
+                          compressed: torch.Tensor | None = None, compressed_exists: torch.Tensor | None = None,
+                          compressed_allowed: torch.Tensor | None = None, *, scale: float) -> torch.Tensor:
+    """Sink attention of decode tokens, one query each (q [B, H, D] at positions `at` [B]), over their
+    slots' whole window rings (ring [B, W, D] as the cache returns the rows, position p at row p % W,
+    each token's own row in place) plus the compressed rows they may see (compressed [B, C, D], of
+    which `compressed_exists` [B, C] hold rows and `compressed_allowed` [B, C] are attended to) ->
+    [B, H, D] in q's dtype: `banded_sink_attention` with one block of one query. Rows that do not
+    exist (ring rows before position 0, a shorter request's padding) read as zeros whatever their
+    storage holds (a masked row's zero weight times garbage could still be NaN). One of the model's
+    compiled pieces: the masks, the rows' upcast and the attention in one call."""
+    acc, (batch, window) = accumulation_dtype(q.dtype), ring.shape[:2]
+    exists = torch.arange(window, device=at.device) <= at.unsqueeze(-1)  # [B, W]: all once p >= W - 1
+    raw = torch.where(exists.unsqueeze(-1), ring.to(acc), 0).unsqueeze(1)  # [B, 1, W, D]
+    queries = q.to(acc).view(batch, 1, 1, *q.shape[1:])  # [B, 1, 1, H, D]
+    raw_allowed = exists.view(batch, 1, 1, window)
+    if compressed is None:
+        out = banded_sink_attention(queries, raw, raw_allowed, sink, scale=scale)
+    else:
+        rows = torch.where(compressed_exists.unsqueeze(-1), compressed.to(acc), 0)
+        out = banded_sink_attention(queries, raw, raw_allowed, sink, rows, compressed_allowed.view(batch, 1, 1, -1),
+                                    scale=scale)
+    return out.view(q.shape).to(q.dtype)
 
 
 @contextlib.contextmanager

@@ -7,11 +7,12 @@ much of a layer's small ops:
   iterations of row and column sums) and normed;
 - `attention_entry` (dsv4.model.attention): the same mix from the last layer's output to the
   attention's input, then every projection of that input, the query and raw-row norms and RoPE;
-- `attend` (dsv4.model.attention.banded_sink_attention, one package with compressed rows and one
-  without): the CPU path's attention of decode tokens over their rings (and compressed rows), whose
-  softmax is a dozen elementwise passes over the logits. Prefill chunks' query blocks (more than one
-  query each) run the eager form instead: a 256-token prefill of `small` spent 65..70 ms in it
-  against 82..100 ms in the packages, in bf16 and fp32 alike;
+- `attend_decodes` (dsv4.model.attention.decode_sink_attention, one package with compressed rows
+  and one without): the CPU path's attention of decode tokens over their gathered rings (and
+  compressed rows): the rows' masks and upcast, then a softmax of a dozen elementwise passes over the
+  logits. Prefill chunks' query blocks (more than one query each) run `banded_sink_attention` eagerly:
+  a 256-token prefill of `small` spent 65..70 ms in it against 82..100 ms compiled, in bf16 and fp32
+  alike;
 - `attention_exit` (dsv4.model.attention): the attention output's inverse RoPE and its grouped
   low-rank output projection (wo_a, wo_b);
 - `compressor_feed` (dsv4.model.compressor.feed): a batch's tokens through a compressor's partial
@@ -100,7 +101,8 @@ class Pieces:
 
     mix: Callable  # mhc.mix
     attention_entry: Callable  # attention.attention_entry
-    attend: Callable  # attention.banded_sink_attention
+    attend: Callable  # attention.banded_sink_attention (eager: prefill chunks' query blocks)
+    attend_decodes: Callable  # attention.decode_sink_attention
     attention_exit: Callable  # attention.attention_exit
     compressor_feed: Callable  # compressor.feed
     index_queries: Callable  # attention.index_queries
@@ -113,6 +115,7 @@ def eager_pieces(cfg: ModelConfig, experts: range) -> Pieces:
     return Pieces(mix=functools.partial(mhc.mix, **constants),
                   attention_entry=functools.partial(attention.attention_entry, **constants),
                   attend=functools.partial(attention.banded_sink_attention, scale=_scale(cfg)),
+                  attend_decodes=functools.partial(attention.decode_sink_attention, scale=_scale(cfg)),
                   attention_exit=attention.attention_exit, compressor_feed=compressor.feed,
                   index_queries=functools.partial(attention.index_queries, **_index_constants(cfg)),
                   moe=functools.partial(moe.grouped,
@@ -160,15 +163,10 @@ _ONE_THREAD = ("mix", "attend", "compressor_feed", "index_queries", "moe_dispatc
 def _assemble(eager: Pieces, compiled: dict[str, Callable]) -> Pieces:
     """The Pieces over the loaded packages: each call routed to the package for its sizes and kind;
     `eager`'s where no package serves (what a model lacks)."""
-    attend, attend_compressed = compiled["attend"], compiled["attend_compressed"]
+    attend, attend_compressed = compiled["attend_decodes"], compiled["attend_decodes_compressed"]
 
-    def attend_either(*tensors: torch.Tensor, exact_bf16: bool = False):
-        # (q, raw, raw_allowed, sink[, compressed, compressed_allowed]); query blocks of prefill chunks
-        # (Q > 1) run eagerly, faster there (the module's docstring), with their exact bf16 logits
-        # (attention.banded_sink_attention); the packages serve decode tokens in plain fp32
-        if tensors[0].shape[2] > 1:
-            return eager.attend(*tensors, exact_bf16=exact_bf16)
-        return (attend_compressed if len(tensors) == 6 else attend)(*tensors)
+    def attend_decodes(*tensors: torch.Tensor):  # (q, ring, at, sink[, compressed, its exists, allowed])
+        return (attend_compressed if len(tensors) == 7 else attend)(*tensors)
 
     def by_route(name: str) -> Callable:  # one package per routing kind the model has (hash: tid2eid, long)
         packages = {kind: compiled[f"{name}_{kind}"] for kind in ("hash", "scored") if f"{name}_{kind}" in compiled}
@@ -180,7 +178,8 @@ def _assemble(eager: Pieces, compiled: dict[str, Callable]) -> Pieces:
 
     entry, exit_ = (by_tokens(compiled[name], compiled[f"{name}_many"], ops.DECODE_TOKENS) for name in _BY_TOKENS)
     # (a model of window layers alone has no compressor to compile a feed for, nor index queries)
-    return Pieces(mix=compiled["mix"], attention_entry=entry, attend=attend_either, attention_exit=exit_,
+    return Pieces(mix=compiled["mix"], attention_entry=entry, attend=eager.attend, attend_decodes=attend_decodes,
+                  attention_exit=exit_,
                   compressor_feed=compiled.get("compressor_feed", eager.compressor_feed),
                   index_queries=compiled.get("index_queries", eager.index_queries),
                   moe=by_tokens(by_route("moe_few"), functools.partial(eager.moe, dispatch=by_route("moe_dispatch"),
@@ -209,8 +208,8 @@ def _modules(cfg: ModelConfig, experts: range) -> dict[str, _Piece]:
         "mix": _Piece(mhc.mix, **constants),
         "attention_entry": _Piece(attention.attention_entry, **constants, product=ops.decode_linear),
         "attention_entry_many": _Piece(attention.attention_entry, **constants),
-        "attend": _Piece(attention.banded_sink_attention, scale=_scale(cfg)),
-        "attend_compressed": _Piece(attention.banded_sink_attention, scale=_scale(cfg)),
+        "attend_decodes": _Piece(attention.decode_sink_attention, scale=_scale(cfg)),
+        "attend_decodes_compressed": _Piece(attention.decode_sink_attention, scale=_scale(cfg)),
         "attention_exit": _Piece(attention.attention_exit, product=ops.decode_linear),
         "attention_exit_many": _Piece(attention.attention_exit),
         "compressor_feed": _Piece(compressor.feed),
@@ -234,19 +233,21 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
                 torch.zeros(tokens, n, n, dtype=acc, device=device))
     # (every example its own tensor: export would trace two arguments passed as one tensor as one input)
     cos2, sin2 = (torch.zeros(tokens, cfg.rope_head_dim, dtype=acc, device=device) for _ in range(2))
-    # Attention: batch, blocks, block, band and compressed rows each of its own size (export would
-    # take two dims of one example size for one symbol); heads and head_dim are the model's.
-    heads, dim = block.attn.sink.shape[0], cfg.head_dim
-    batch, blocks, queries, band, rows = _ATTEND_EXAMPLE
-    attend = (torch.zeros(batch, blocks, queries, heads, dim, dtype=acc, device=device),
-              torch.zeros(batch, blocks, band, dim, dtype=acc, device=device),
-              torch.ones(batch, blocks, queries, band, dtype=torch.bool, device=device), block.attn.sink)
-    compressed = (torch.zeros(batch, rows, dim, dtype=acc, device=device),
-                  torch.ones(batch, blocks, queries, rows, dtype=torch.bool, device=device))
+    # Decode attention: batch and compressed rows each of its own size (export would take two dims of
+    # one example size for one symbol); heads, the window and head_dim are the model's; the rows in
+    # the dtype the cache returns them in.
+    heads, dim, window = block.attn.sink.shape[0], cfg.head_dim, cfg.sliding_window
+    rows_dtype = block.attn.main_rows_dtype
+    batch, rows = 3, 5
+    attend = (torch.zeros(batch, heads, dim, dtype=dtype, device=device),
+              torch.zeros(batch, window, dim, dtype=rows_dtype, device=device),
+              torch.zeros(batch, dtype=torch.long, device=device), block.attn.sink)
+    compressed = (torch.zeros(batch, rows, dim, dtype=rows_dtype, device=device),
+                  *(torch.ones(batch, rows, dtype=torch.bool, device=device) for _ in range(2)))
     entry = (*residual, *block.attn_hc.weights, *block.attn.input_weights, cos2, sin2)
     exit_ = (torch.zeros(tokens, heads, dim, dtype=dtype, device=device), cos2, sin2, block.attn.wo_a, block.attn.wo_b)
-    examples = {"mix": (*residual, *block.ffn_hc.weights), "attention_entry": entry, "attend": attend,
-                "attend_compressed": (*attend, *compressed), "attention_exit": exit_}
+    examples = {"mix": (*residual, *block.ffn_hc.weights), "attention_entry": entry, "attend_decodes": attend,
+                "attend_decodes_compressed": (*attend, *compressed), "attention_exit": exit_}
     # A compressor's feed at sizes of its own each (2 tokens, 3 state rows read, 5 windows of 7 slots, 9
     # rows updated; an ape of 13 x 17): every compressor of the model has other ratios and widths.
     apes = [b.attn.compressor.ape for b in model.blocks if b.attn.compressor is not None]
@@ -285,8 +286,6 @@ def _examples(model: PagedModel) -> dict[str, tuple[torch.Tensor, ...]]:
     return {name: tuple(None if t is None else t.contiguous() for t in tensors) for name, tensors in examples.items()}
 
 
-_ATTEND_EXAMPLE = (2, 3, 5, 7, 11)  # batch B, blocks N, queries per block Q, band K, compressed rows C
-
 
 def _token_limit(name: str) -> int | None:
     """The most tokens the package serves (None: any number)."""
@@ -303,10 +302,10 @@ def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
     if name == "moe_combine":  # picks = tokens * k, which export cannot express: a symbol of its own (and rows)
         picks, rows = torch.export.Dim("picks", min=1), torch.export.Dim("rows", min=1)
         return [{0: rows}, {0: picks}, {0: picks}, {0: picks}, {0: picks}, {0: tokens}, None, None]
-    if name.startswith("attend"):
-        b, n, q, k, c = (torch.export.Dim(dim, min=1) for dim in ("batch", "blocks", "block", "band", "compressed"))
-        shapes = [{0: b, 1: n, 2: q}, {0: b, 1: n, 2: k}, {0: b, 1: n, 2: q, 3: k}, None]
-        return shapes + ([{0: b, 1: c}, {0: b, 1: n, 2: q, 3: c}] if name == "attend_compressed" else [])
+    if name.startswith("attend_decodes"):  # (q, ring, at, sink[, compressed, its exists, allowed])
+        batch, rows = torch.export.Dim("batch", min=1), torch.export.Dim("compressed", min=1)
+        shapes = [{0: batch}, {0: batch}, {0: batch}, None]
+        return shapes + ([{0: batch, 1: rows}] * 3 if name == "attend_decodes_compressed" else [])
     if name == "compressor_feed":  # any of them may be empty (most decode steps complete no window)
         tokens, read, windows, updates = (torch.export.Dim(dim, min=0) for dim in ("tokens", "read", "windows", "updates"))
         ratio, width, span = (torch.export.Dim(dim, min=1) for dim in ("ratio", "width", "span"))

@@ -1,11 +1,12 @@
 """The CPU path's banded sink attention (dsv4.model.attention.banded_sink_attention) against the
 reference's sink attention over the union of each block's band and the compressed rows; with
-`exact_bf16` its logits run on bf16 units, exact for bf16-valued operands, and nothing else does."""
+`exact_bf16` its logits run on bf16 units, exact for bf16-valued operands, and nothing else does.
+Decode tokens' attention over their rings (decode_sink_attention) against the same."""
 
 import pytest
 import torch
 
-from dsv4.model.attention import banded_sink_attention
+from dsv4.model.attention import banded_sink_attention, decode_sink_attention
 from dsv4.reference.attention import sink_attention
 
 B, N, Q, H, D, K, C = 2, 3, 16, 4, 64, 48, 10
@@ -50,3 +51,28 @@ def test_the_bf16_setting_is_restored_when_the_attention_fails():
     with pytest.raises(RuntimeError):
         banded_sink_attention(q, raw[..., :-1], raw_allowed, sink, scale=1.0, exact_bf16=True)
     assert torch.backends.mkldnn.matmul.fp32_precision == setting
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_decode_attention_equals_the_reference_and_ignores_what_missing_rows_hold(compressed):
+    """decode_sink_attention: each token over its whole ring, rows r <= its position (a young request's
+    ring rows past it were never written: here NaN), plus the compressed rows that exist and that it
+    attends to (padding rows: NaN too)."""
+    g = torch.Generator().manual_seed(7)
+    scale, window = D**-0.5, K
+    q, sink = torch.randn(B, H, D, generator=g).bfloat16(), torch.randn(H, generator=g)
+    ring = torch.randn(B, window, D, generator=g).bfloat16()
+    at = torch.tensor([5, window + 3])  # one ring still filling, one full
+    ring[0, 6:] = float("nan")
+    rows = torch.randn(B, C, D, generator=g).bfloat16()
+    exists = torch.arange(C) < torch.tensor([[4], [C]])
+    rows[~exists] = float("nan")
+    allowed = exists & (torch.rand(B, C, generator=g) < 0.7)
+    got = decode_sink_attention(q, ring, at, sink, *((rows, exists, allowed) if compressed else ()), scale=scale)
+    assert got.dtype == q.dtype and got.shape == q.shape and torch.isfinite(got).all()
+    keys, key_allowed = ring, torch.arange(window) <= at.unsqueeze(-1)
+    if compressed:
+        keys, key_allowed = torch.cat([ring, rows], 1), torch.cat([key_allowed, allowed], 1)
+    keys = torch.where(key_allowed.unsqueeze(-1), keys.double(), 0)  # (the reference's keys: no garbage)
+    want = sink_attention(q.double().unsqueeze(2), keys, key_allowed.unsqueeze(1), sink.double(), scale)[:, :, 0]
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-2  # one bf16 rounding

@@ -67,7 +67,7 @@ def test_compiled_model_equals_eager(model, caplog, compile_cache, monkeypatch):
     assert compiled.compiled, caplog.text
     assert "compiling (once per machine)" in caplog.text and "compiled pieces ready" in caplog.text
     packages = sorted(path.name.split("-")[0] for path in compile_cache.rglob("*.pt2"))
-    assert packages == ["attend", "attend_compressed", "attention_entry", "attention_entry_many", "attention_exit",
+    assert packages == ["attend_decodes", "attend_decodes_compressed", "attention_entry", "attention_entry_many", "attention_exit",
                         "attention_exit_many", "compressor_feed", "index_queries", "mix", "moe_combine", "moe_dispatch_hash", "moe_dispatch_scored",
                         "moe_few_hash", "moe_few_scored"]  # no partial one
     caplog.clear()

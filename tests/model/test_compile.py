@@ -113,21 +113,21 @@ print("compiled:", r.compiled)
 def test_bf16_decode_packages_equal_eager(model, compile_cache):
     """In bf16 the entry's and exit's decode packages multiply as `ops.decode_linear` (products summed
     over the output features) where the eager pieces call oneDNN's matmuls: at one and two tokens,
-    compiled, they give the eager pieces' results within a bf16 rounding."""
+    compiled, they give the eager pieces' results within a bf16 rounding. So does the decode attention
+    over bf16 rows (the fp32 test above reads fp32 ones)."""
     cfg, weights = model
     m = ModelRunner(cfg, weights, ServerArgs(dtype="bfloat16", page_size=PAGE, max_running_requests=2,
                                              max_total_tokens=4 * PAGE, disable_compile=True)).model
     examples, modules = compile._examples(m), compile._modules(cfg, m.blocks[0].ffn.experts)
     g = torch.Generator().manual_seed(5)
-    for name in ("attention_entry", "attention_exit"):
+    for name in ("attention_entry", "attention_exit", "attend_decodes_compressed"):
         piece = compile._load_or_compile(compile_cache / f"{name}-bf16.pt2", name, examples[name], modules[name])
         eager = modules[name].function
         constants = {k: v for k, v in modules[name].constants.items() if k != "product"}
-        assert modules[name].constants["product"] is ops.decode_linear
+        assert modules[name].constants.get("product", ops.decode_linear) is ops.decode_linear
         for tokens in (1, ops.DECODE_TOKENS):
             # every per-token input random at this many tokens; the weights are the layer's
-            args = [torch.randn(tokens, *t.shape[1:], generator=g).to(t.dtype) if i in _TOKEN_ARGS[name] else t
-                    for i, t in enumerate(examples[name])]
+            args = [_random_like(t, tokens, g) if i in _TOKEN_ARGS[name] else t for i, t in enumerate(examples[name])]
             got = piece(*(t.clone() for t in args))
             want = eager(*(t.clone() for t in args), **constants)
             for got_part, want_part in zip(got if isinstance(got, tuple) else (got,),
@@ -138,5 +138,17 @@ def test_bf16_decode_packages_equal_eager(model, compile_cache):
 
 
 # The arguments that have a row per token: the entry's residual (4) and RoPE tables (the last 2); the
-# exit's attention output and tables
-_TOKEN_ARGS = {"attention_entry": (0, 1, 2, 3, 12, 13), "attention_exit": (0, 1, 2)}
+# exit's attention output and tables; the decode attention's all but the sink
+_TOKEN_ARGS = {"attention_entry": (0, 1, 2, 3, 12, 13), "attention_exit": (0, 1, 2),
+               "attend_decodes_compressed": (0, 1, 2, 4, 5, 6)}
+
+
+def _random_like(example: torch.Tensor, rows: int, g: torch.Generator) -> torch.Tensor:
+    """`rows` random rows shaped as the example's: positions (long) past the window, masks (bool)
+    two-thirds true, values normal."""
+    shape = (rows, *example.shape[1:])
+    if example.dtype == torch.long:
+        return torch.randint(0, 300, shape, generator=g)
+    if example.dtype == torch.bool:
+        return torch.rand(shape, generator=g) < 0.67
+    return torch.randn(shape, generator=g).to(example.dtype)

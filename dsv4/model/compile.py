@@ -60,7 +60,7 @@ The decode steps' MoE (`moe_few`) runs on every thread too: its products spread 
 Packages are kept in `cache` under a key of everything the code depends on (torch's version, the
 CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, and the source of this
 module and of those that define the math), so a restart on the same machine loads them (`small`'s
-fourteen packages: the server ready 4.9 s after start; compiling them, 121 s to ready on 2 cores).
+fourteen packages: the server ready 4.6 s after start; compiling them, 103 s to ready on 2 cores, bf16).
 Compiling or loading is bounded by `timeout`: past it, or on any failure, the model serves eagerly
 and says so (a slow compiler never keeps a server from starting; a compile that finishes late still
 fills the cache for the next start).

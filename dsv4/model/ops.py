@@ -31,7 +31,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # reads each pick's expert in place (`moe.few`, with `row_linear`); past it the grouped matmuls pay.
 FEW_TOKENS = 4
 # Forwards of at most this many tokens run the attention's compiled entry and exit with `decode_linear`'s
-# products; from three tokens on, bf16 matmuls are faster (see there).
+# products; at four tokens bf16 matmuls were faster (see there; three were not measured).
 DECODE_TOKENS = 2
 
 

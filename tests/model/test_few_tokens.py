@@ -1,7 +1,7 @@
 """The decode steps' MoE (dsv4/model/compile.py, `moe_few`) against the general form, eagerly: `row_linear`
-(and the attention's `decode_linear`) against `linear`, and the MoE that reads each pick's expert in place (`moe.few`) against the sorted,
-grouped one (`moe.grouped`), on every tensor-parallel rank's share of the experts. (Compiled, it is
-checked through the whole model in test_compile.py, at TP=1.)"""
+(and the attention's `decode_linear`) against `linear`, and the MoE that reads each pick's expert in
+place (`moe.few`) against the sorted, grouped one (`moe.grouped`), on every tensor-parallel rank's
+share of the experts. (Compiled, it is checked through the whole model in test_compile.py, at TP=1.)"""
 
 from __future__ import annotations
 

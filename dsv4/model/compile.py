@@ -48,9 +48,9 @@ package at two threads, the decode products then `row_linear`: a c=1 decode step
 inside follow the calling thread's count (every core, dsv4.engine.runner). The attention's entry and
 exit have two packages each, both on every thread (`_BY_TOKENS`):
 - one for forwards of at most `ops.DECODE_TOKENS` tokens, whose products are `ops.decode_linear`'s:
-  in bf16, products summed over the output features spread over every thread instead of oneDNN's
-  one-row matmuls (a c=1 bf16 decode step of `small`: 17.0 -> 15.2..15.7 ms, the entries 5.5 -> 4.1 ms
-  of it, the exits 2.3 -> 1.7);
+  in bf16 on the CPU, products summed over the output features spread over every thread instead of
+  oneDNN's one-row matmuls (a c=1 bf16 decode step of `small`: 17.0 -> 15.2..15.7 ms, the entries
+  5.5 -> 4.1 ms of it, the exits 2.3 -> 1.7);
 - one for more tokens, whose query-sized passes (norms and RoPE over [tokens, heads, head_dim])
   pay for the fork (at 256 tokens of `small` in bf16 the entry took 4.2 ms against 5.9 on one
   thread, the exit 1.0 against 1.1).

@@ -55,10 +55,11 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     weight once: oneDNN's bf16 matmul of a row or two lays its weight out anew on every call (Xeon
     with AMX, 2 cores, one row: a [8192, 256] bf16 weight 151 us against F.linear's 246, [512, 512] 20
     against 40; at four rows the matmul wins, 309 against 389 us). An fp32 weight takes F.linear,
-    which streams it at full speed already. The same sums as a matmul in another order, rounded once
-    into the weight's dtype. Eager it would materialise every product: compiled only."""
+    which streams it at full speed already, and so does any weight off the CPU (not measured there).
+    The same sums as a matmul in another order, rounded once into the weight's dtype. Eager it would
+    materialise every product: compiled only."""
     acc = accumulation_dtype(weight.dtype)
-    if weight.dtype == acc:
+    if weight.dtype == acc or weight.device.type != "cpu":
         return linear(x, weight)
     # Grouped: one group at a time (their number is the model's, so the loop unrolls), faster than one
     # product broadcast over all groups (small's exit at one token: 120 against 203 us)

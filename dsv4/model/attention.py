@@ -33,7 +33,7 @@ from dsv4.memory.pools import StatePools, put_rows, take_rows
 from .compressor import PagedCompressor
 from .mhc import mix
 from .ops import Rope, accumulation_dtype, linear, rms_norm, rotate_
-from .plan import AttentionGroup, BatchPlan
+from .plan import AttentionGroup, BatchPlan, CompressedRows
 from .selection import IndexerSelection, SelectionSink
 from .sharding import Reducer, ShardPlan
 
@@ -199,12 +199,12 @@ class PagedAttention:
         put_rows(pool, (slots, at % window), group.rows(raw_rows)[:, 0])
         ring = self._main_rows_at(pool, slots)  # [B, W, D]: each slot's whole ring
         queries = group.rows(q)[:, 0]  # [B, H, D]
-        seen = group.compressed[self.ratio] if self.compressor is not None else None
-        if seen is None or seen.pages.shape[1] == 0:  # no compressed row (yet)
+        seen = self._compressed_seen(group, picks)
+        if seen is None:
             return attend_decodes(queries, ring, at, self.sink)
-        compressed = self._main_rows_at(self.pools.compressed_rows(self.layer), seen.pages, seen.page_rows)
-        allowed = (seen.visible if picks is None else _picks_mask(picks, seen.pages.shape[1]))[:, 0]  # [B, C]
-        return attend_decodes(queries, ring, at, self.sink, compressed, seen.exists, allowed)
+        rows, allowed = seen
+        compressed = self._main_rows_at(self.pools.compressed_rows(self.layer), rows.pages, rows.page_rows)
+        return attend_decodes(queries, ring, at, self.sink, compressed, rows.exists, allowed[:, 0])
 
     def _sink_attention(self, group: AttentionGroup, queries: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor,
                         picks, pad: int, attend, *, exact_bf16: bool = False) -> torch.Tensor:
@@ -213,14 +213,22 @@ class PagedAttention:
         none) -> [B, N, Q, H, D], through `attend` (`banded_sink_attention`);
         `exact_bf16`: see there."""
         blocks, block = queries.shape[1:3]
-        seen = group.compressed[self.ratio] if self.compressor is not None else None
-        if seen is None or seen.pages.shape[1] == 0:  # no compressed row (yet)
+        seen = self._compressed_seen(group, picks)
+        if seen is None:
             return attend(queries, raw, raw_allowed, self.sink, exact_bf16=exact_bf16)
+        rows, allowed = seen
         stored = self.pools.compressed_rows(self.layer)
-        compressed = self._gather_main_rows(stored, (seen.pages, seen.page_rows), seen.exists).to(queries.dtype)
-        allowed = seen.visible if picks is None else _picks_mask(picks, seen.pages.shape[1])
+        compressed = self._gather_main_rows(stored, (rows.pages, rows.page_rows), rows.exists).to(queries.dtype)
         compressed_allowed = torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
         return attend(queries, raw, raw_allowed, self.sink, compressed, compressed_allowed, exact_bf16=exact_bf16)
+
+    def _compressed_seen(self, group: AttentionGroup, picks) -> tuple[CompressedRows, torch.Tensor] | None:
+        """The group's compressed rows at this layer's ratio and which of them each query attends to
+        ([B, L, C]: the indexer's `picks`, or every row complete at the query); None while it has none."""
+        rows = group.compressed[self.ratio] if self.compressor is not None else None
+        if rows is None or rows.pages.shape[1] == 0:
+            return None
+        return rows, rows.visible if picks is None else _picks_mask(picks, rows.pages.shape[1])
 
     def _selection_needed(self, plan: BatchPlan) -> bool:
         """Whether any query of the batch may see more compressed rows than the indexer keeps. If none

@@ -90,7 +90,6 @@ import logging, sys, torch
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 from dsv4.config import ModelConfig, ServerArgs
 from dsv4.engine.runner import ModelRunner
-from dsv4.model import compile, ops
 from dsv4.protocol import ForwardBatch, ForwardChunk
 from dsv4.weights import load_state_dict
 cfg = ModelConfig.from_json({str(tiny_ckpt)!r})
@@ -114,7 +113,7 @@ def test_bf16_decode_packages_equal_eager(model, compile_cache):
     """In bf16 the entry's and exit's decode packages multiply as `ops.decode_linear` (products summed
     over the output features) where the eager pieces call oneDNN's matmuls: at one and two tokens,
     compiled, they give the eager pieces' results within a bf16 rounding. So does the decode attention
-    over bf16 rows (the fp32 test above reads fp32 ones)."""
+    over bf16 rows."""
     cfg, weights = model
     m = ModelRunner(cfg, weights, ServerArgs(dtype="bfloat16", page_size=PAGE, max_running_requests=2,
                                              max_total_tokens=4 * PAGE, disable_compile=True)).model
@@ -144,8 +143,8 @@ _TOKEN_ARGS = {"attention_entry": (0, 1, 2, 3, 12, 13), "attention_exit": (0, 1,
 
 
 def _random_like(example: torch.Tensor, rows: int, g: torch.Generator) -> torch.Tensor:
-    """`rows` random rows shaped as the example's: positions (long) past the window, masks (bool)
-    two-thirds true, values normal."""
+    """`rows` random rows shaped as the example's: positions (long) below 300, masks (bool) two-thirds
+    true, values normal."""
     shape = (rows, *example.shape[1:])
     if example.dtype == torch.long:
         return torch.randint(0, 300, shape, generator=g)

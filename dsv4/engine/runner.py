@@ -80,7 +80,8 @@ class ModelRunner:
         self.cpu_threads = cpu_forward_threads(args)
         self.model = PagedModel(cfg, weights, self.dtype, self.pools, kernels=kernels, shard=shard, reduce=reduce)
         if not args.disable_compile:  # for this model's shapes: its weights are the examples
-            self.model.pieces = compile_pieces(self.model, args.compile_timeout, cache_dir() / "compiled")
+            self.model.pieces = compile_pieces(self.model, args.compile_timeout, cache_dir() / "compiled",
+                                             self.cpu_threads)
         self.compiled = self.model.pieces.compiled
         self.index_query_oracle = (IndexQueryOracle(cfg, weights, self.dtype, self.device)
                                    if args.verify_indexer == "full" else None)

@@ -47,10 +47,11 @@ package at two threads, the decode products then `row_linear`: a c=1 decode step
 24.4 ms in bf16 and 33.8 in fp32, against 21.3 and 22.0 at one, the products matmuls); the matmuls
 inside follow the calling thread's count (every core, dsv4.engine.runner). The attention's entry and
 exit have two packages each, both on every thread (`_BY_TOKENS`):
-- one for forwards of at most `ops.DECODE_TOKENS` tokens, whose products are `ops.decode_linear`'s:
-  in bf16 on the CPU, products summed over the output features spread over every thread instead of
-  oneDNN's one-row matmuls (a c=1 bf16 decode step of `small`: 17.0 -> 15.2..15.7 ms, the entries
-  5.5 -> 4.1 ms of it, the exits 2.3 -> 1.7);
+- one for forwards of at most `ops.DECODE_TOKENS` tokens, whose products are `ops.decode_linear`'s
+  where this machine's one-row matmuls read weights slower than a sum does (`_decode_products`,
+  measured at every start; so far bf16 on a Xeon and a Zen 4, fp32 on the Zen 4): products summed
+  over the output features spread over every thread (a c=1 bf16 decode step of `small` on the Xeon:
+  17.0 -> 15.2..15.7 ms, the entries 5.5 -> 4.1 ms of it, the exits 2.3 -> 1.7);
 - one for more tokens, whose query-sized passes (norms and RoPE over [tokens, heads, head_dim])
   pay for the fork (at 256 tokens of `small` in bf16 the entry took 4.2 ms against 5.9 on one
   thread, the exit 1.0 against 1.1).
@@ -58,12 +59,12 @@ The decode steps' MoE (`moe_few`) runs on every thread too: its products spread 
 (two tokens in bf16: 231 against 453 us a layer; one, 194 against 200).
 
 Packages are kept in `cache` under a key of everything the code depends on (torch's version, the
-CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, and the source of this
-module and of those that define the math), so a restart on the same machine loads them (`small`'s
-fourteen packages: the server ready 4.6 s after start; compiling them, 103 s to ready on 2 cores, bf16).
-Compiling or loading is bounded by `timeout`: past it, or on any failure, the model serves eagerly
-and says so (a slow compiler never keeps a server from starting; a compile that finishes late still
-fills the cache for the next start).
+CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, the choice of decode
+products, and the source of this module and of those that define the math), so a restart on the same
+machine loads them (`small`'s fourteen packages: the server ready 4.6 s after start; compiling them,
+103 s to ready on 2 cores, bf16). Compiling or loading is bounded by `timeout`: past it, or on any
+failure, the model serves eagerly and says so (a slow compiler never keeps a server from starting; a
+compile that finishes late still fills the cache for the next start).
 """
 
 from __future__ import annotations
@@ -126,13 +127,14 @@ def eager_pieces(cfg: ModelConfig, experts: range) -> Pieces:
                   compiled=False)
 
 
-def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
-    """`model`'s pieces compiled (or loaded from `cache`), for its weights' shapes and dtypes; its eager
-    pieces if that takes over `timeout` s or fails."""
+def compile_pieces(model: PagedModel, timeout: float, cache: Path, threads: int) -> Pieces:
+    """`model`'s pieces compiled (or loaded from `cache`), for its weights' shapes and dtypes and for
+    forwards on `threads` threads; its eager pieces if that takes over `timeout` s or fails."""
     examples = _examples(model)
     experts = model.blocks[0].ffn.experts
     eager = eager_pieces(model.cfg, experts)
-    key = _key(model.cfg, experts, examples)
+    products = _decode_products(model, threads)
+    key = _key(model.cfg, experts, examples, products)
     packages = {name: cache / f"{name}-{key}.pt2" for name in examples}
     started = time.monotonic()
     action = "loading" if all(path.exists() for path in packages.values()) else "compiling (once per machine)"
@@ -140,7 +142,7 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
              "--disable-compile to skip)", action, ", ".join(packages), cache, timeout)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-compile")
     try:
-        compiled = pool.submit(_load_or_compile_all, packages, examples, _modules(model.cfg, experts)).result(
+        compiled = pool.submit(_load_or_compile_all, packages, examples, _modules(model.cfg, experts, products)).result(
             timeout=timeout)
     except FutureTimeout:
         log.warning("compiling did not finish within %.0f s: serving eagerly", timeout)
@@ -152,6 +154,25 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path) -> Pieces:
         pool.shutdown(wait=False)
     log.info("compiled pieces ready in %.1f s", time.monotonic() - started)
     return _assemble(eager, compiled)
+
+
+# The decode packages multiply as `ops.decode_linear` where this machine's one-row F.linear takes at least
+# this many times as long as a sum over the same weights (measured: 2.2 in bf16 and 2.9 in fp32 on a Zen
+# 4; 1.8 in bf16 on a Xeon with AMX, where fp32 F.linear was the faster)
+_PRODUCTS_LAG = 1.25
+
+
+def _decode_products(model: PagedModel, threads: int) -> bool:
+    """Whether the entry's and exit's decode packages multiply as `ops.decode_linear` rather than with
+    F.linear: on the CPU, where one-row F.linear over the layers' query projections (wq_b) lags a sum
+    over them by `_PRODUCTS_LAG` or more. Off the CPU, F.linear (the products were not measured there)."""
+    if model.embed.device.type != "cpu":
+        return False
+    lag = ops.one_row_linear_lag([block.attn.wq_b for block in model.blocks], threads)
+    products = lag >= _PRODUCTS_LAG
+    log.info("decode projections %s: one-row F.linear took %.2fx a sum over the same weights (%s threads)",
+             "as summed products (ops.decode_linear)" if products else "with F.linear", lag, threads)
+    return products
 
 
 # Pieces with two packages (the module's docstring): the one named as the piece serves forwards of at
@@ -177,7 +198,7 @@ def _assemble(eager: Pieces, compiled: dict[str, Callable]) -> Pieces:
     def by_tokens(few: Callable, general: Callable, limit: int) -> Callable:  # the first argument's rows: tokens
         return lambda first, *rest: (few if first.shape[0] <= limit else general)(first, *rest)
 
-    entry, exit_ = (by_tokens(compiled[name], compiled[f"{name}_many"], ops.DECODE_TOKENS) for name in _BY_TOKENS)
+    entry, exit_ = (by_tokens(compiled[name], compiled[f"{name}_many"], _token_limit(name)) for name in _BY_TOKENS)
     # (a model of window layers alone has no compressor to compile a feed for, nor index queries)
     return Pieces(mix=compiled["mix"], attention_entry=entry, attend=eager.attend, attend_decodes=attend_decodes,
                   attention_exit=exit_,
@@ -185,7 +206,7 @@ def _assemble(eager: Pieces, compiled: dict[str, Callable]) -> Pieces:
                   index_queries=compiled.get("index_queries", eager.index_queries),
                   moe=by_tokens(by_route("moe_few"), functools.partial(eager.moe, dispatch=by_route("moe_dispatch"),
                                                                        combine=compiled["moe_combine"]),
-                                ops.FEW_TOKENS),
+                                _token_limit("moe_few")),
                   compiled=True)
 
 
@@ -201,17 +222,18 @@ class _Piece(torch.nn.Module):
         return self.function(*tensors, **self.constants)
 
 
-def _modules(cfg: ModelConfig, experts: range) -> dict[str, _Piece]:
+def _modules(cfg: ModelConfig, experts: range, decode_products: bool) -> dict[str, _Piece]:
     """Every package's module by name (`moe_few_*` and the `_BY_TOKENS` pieces' own names: forwards of
-    few tokens, `_token_limit`)."""
+    few tokens, `_token_limit`, whose products are `ops.decode_linear`'s with `decode_products`)."""
     constants, dispatch = _constants(cfg), moe.dispatch_constants(cfg, experts)
+    product = ops.decode_linear if decode_products else ops.linear
     return {
         "mix": _Piece(mhc.mix, **constants),
-        "attention_entry": _Piece(attention.attention_entry, **constants, product=ops.decode_linear),
+        "attention_entry": _Piece(attention.attention_entry, **constants, product=product),
         "attention_entry_many": _Piece(attention.attention_entry, **constants),
         "attend_decodes": _Piece(attention.decode_sink_attention, scale=_scale(cfg)),
         "attend_decodes_compressed": _Piece(attention.decode_sink_attention, scale=_scale(cfg)),
-        "attention_exit": _Piece(attention.attention_exit, product=ops.decode_linear),
+        "attention_exit": _Piece(attention.attention_exit, product=product),
         "attention_exit_many": _Piece(attention.attention_exit),
         "compressor_feed": _Piece(compressor.feed),
         "index_queries": _Piece(attention.index_queries, **_index_constants(cfg)),
@@ -368,14 +390,15 @@ def _index_constants(cfg: ModelConfig) -> dict:
     return {"head_dim": cfg.index_head_dim, "scale": cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5}
 
 
-def _key(cfg: ModelConfig, experts: range, examples: dict[str, tuple[torch.Tensor, ...]]) -> str:
+def _key(cfg: ModelConfig, experts: range, examples: dict[str, tuple[torch.Tensor, ...]], decode_products: bool) -> str:
     device = next(iter(examples.values()))[0].device
     isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else torch.cuda.get_device_name(device)
     shapes = {name: [None if t is None else (tuple(t.shape), str(t.dtype)) for t in tensors]  # None: no shared expert
               for name, tensors in examples.items()}
     facts = (torch.__version__, isa, device.type, sorted(_constants(cfg).items()), _scale(cfg),
              sorted(_index_constants(cfg).items()),
-             sorted(moe.dispatch_constants(cfg, experts).items()), cfg.swiglu_limit, sorted(shapes.items()))
+             sorted(moe.dispatch_constants(cfg, experts).items()), cfg.swiglu_limit, sorted(shapes.items()),
+             decode_products)
     # this module too: how a piece is exported (its wrapper, examples, symbolic sizes) is part of it
     sources = b"".join(Path(path).read_bytes() for path in (__file__, *(module.__file__ for module in _SOURCES)))
     return hashlib.sha256(repr(facts).encode() + sources).hexdigest()[:16]

@@ -8,6 +8,8 @@ input's dtype), so fp32 results differ from it by summation order only.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,22 +52,43 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`linear` for the one or two rows of a decode step (x [T, in], or grouped x [T, G, in]), inside a
-    compiled piece. A bf16 (or fp16) weight is multiplied as products summed in fp32 with the output
-    features as the outer loop, which the compiled kernel spreads over every thread and which reads the
-    weight once: oneDNN's bf16 matmul of a row or two lays its weight out anew on every call (Xeon
-    with AMX, 2 cores, one row: a [8192, 256] bf16 weight 151 us against F.linear's 246, [512, 512] 20
-    against 40; at four rows the matmul wins, 309 against 389 us). An fp32 weight takes F.linear,
-    which streams it at full speed already, and so does any weight off the CPU (not measured there).
-    The same sums as a matmul in another order, rounded once into the weight's dtype. Eager it would
-    materialise every product: compiled only."""
+    compiled piece, as products summed in at least fp32 with the output features as the outer loop: the
+    compiled kernel spreads them over every thread and reads the weight once, at the pace of a plain
+    sum over it. The compiled decode pieces multiply this way where that is faster than this machine's
+    one-row matmuls (`one_row_linear_lag`): oneDNN's bf16 matmul of a row or two lays its weight out
+    anew on every call (Xeon with AMX, 2 cores, one row: a [8192, 256] bf16 weight 151 us against
+    F.linear's 246, [512, 512] 20 against 40; at four rows the matmul wins, 309 against 389 us), and
+    on a Zen 4 MKL's fp32 one-row matmul reads at a third of a sum's pace (the same [8192, 256] in
+    fp32: 363 against 1070 us). The same sums as a matmul in another order, rounded once into the
+    weight's dtype. Eager it would materialise every product: compiled only."""
     acc = accumulation_dtype(weight.dtype)
-    if weight.dtype == acc or weight.device.type != "cpu":
-        return linear(x, weight)
     # Grouped: one group at a time (their number is the model's, so the loop unrolls), faster than one
     # product broadcast over all groups (small's exit at one token: 120 against 203 us)
     if weight.dim() == 3:
         return torch.stack([decode_linear(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
     return (weight.to(acc).unsqueeze(1) * x.to(weight.dtype).to(acc).unsqueeze(0)).sum(-1).t().to(weight.dtype)
+
+
+def one_row_linear_lag(weights: list[torch.Tensor], threads: int) -> float:
+    """How many times as long F.linear of one row takes over `weights` as a sum over each of their rows
+    (what `decode_linear`'s compiled products cost: [8192, 256] on a Zen 4, fp32 626 against ATen's sum
+    617 us, 4096 x 1024), measured on the calling thread at `threads` threads, three passes each."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(1, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
+
+        def seconds(product: Callable) -> float:
+            product(weights[0])  # (the first call of each may set up)
+            started = time.perf_counter()
+            for _ in range(3):
+                for weight in weights:
+                    product(weight)
+            return time.perf_counter() - started
+
+        return seconds(lambda weight: F.linear(x, weight)) / seconds(lambda weight: weight.sum(-1))
+    finally:
+        torch.set_num_threads(before)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

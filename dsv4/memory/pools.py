@@ -125,11 +125,13 @@ class _Units:
         # Zeroed, so never-written bytes are deterministic (checksums, transfers, finite decodes).
         self.data = torch.zeros((count, self.unit_bytes), dtype=torch.uint8, device=device)
         self.generations = np.full(count, -1, dtype=np.int64)
+        # (built once: a forward asks for a few views per layer, ~5 us each to slice and reshape anew)
+        self._views = {r.name: self.data[:, r.offset : r.offset + r.nbytes].unflatten(1, (r.rows, r.row_bytes))
+                       for r in self.regions.values()}
 
     def view(self, name: str) -> torch.Tensor:
         """uint8 [count, rows, row_bytes], aliasing the buffer."""
-        r = self.regions[name]
-        return self.data[:, r.offset : r.offset + r.nbytes].unflatten(1, (r.rows, r.row_bytes))
+        return self._views[name]
 
     def begin_tenancies(self, what: str, ids, generations) -> None:
         """Records newly allocated (id, generation) pairs, in allocation order: from now on each id

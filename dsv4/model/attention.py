@@ -99,7 +99,7 @@ class PagedAttention:
         `attention_exit`, `index_queries` and the compressors' `feed`, each eager or compiled."""
         cfg, pools, positions = self.cfg, self.pools, plan.positions
         x, q, kv, qr, projected = inputs
-        compressor_inputs = projected[:, self.rest_start :].split(self.rest_widths, dim=-1)
+        compressor_inputs = projected[:, self.rest_start :].split_with_sizes(self.rest_widths, dim=-1)
         raw_rows = row_formats.pack_main_rows(kv, pools.main_format, cfg.rope_head_dim)
 
         index_queries = None
@@ -129,11 +129,14 @@ class PagedAttention:
                 picks = [self._picks(group, index_queries, positions) for group in plan.groups]
                 if on_selection is not None:
                     on_selection(IndexerSelection(self.layer, x, *index_queries, _token_picks(picks, cfg.index_topk)))
-            out = torch.cat([self._attend_decodes(group, q, raw_rows, positions, group_picks, pieces.attend_decodes)
-                             if group.length == 1 else self._attend(group, q, raw_keys, group_picks, pieces.attend)
-                             for group, group_picks in zip(plan.groups, picks, strict=True)])
+            outs = [self._attend_decodes(group, q, raw_rows, positions, group_picks, pieces.attend_decodes)
+                    if group.length == 1 else self._attend(group, q, raw_keys, group_picks, pieces.attend)
+                    for group, group_picks in zip(plan.groups, picks, strict=True)]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
         ring = plan.ring_write
-        put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
+        # (a batch of decodes alone, on this path, has written its rows already: `_attend_decodes`)
+        if self.kernels or not _decodes_wrote_ring(plan):
+            put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
 
         out = pieces.attention_exit(out, rope.cos2, rope.sin2, self.wo_a, self.wo_b)
         return out if self.reduce is None else self.reduce.all_reduce_sum(out, "attn.out")  # this rank's groups' share
@@ -277,6 +280,13 @@ class PagedAttention:
         if fmt in _PLAIN_ROW_DTYPES:  # rows stored as-is: a view, not unpack's copy
             return packed.view(_PLAIN_ROW_DTYPES[fmt])
         return row_formats.unpack_main_rows(packed, fmt, cfg.head_dim, cfg.rope_head_dim)
+
+
+def _decodes_wrote_ring(plan: BatchPlan) -> bool:
+    """Whether the batch's ring writes are its decode tokens' alone (one group of decodes, no captured
+    boundary's ring), which `PagedAttention._attend_decodes` stored before attending."""
+    groups = plan.groups
+    return len(groups) == 1 and groups[0].length == 1 and plan.ring_write.tokens.shape[0] == groups[0].batch
 
 
 def project_inputs(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor, wq_b: torch.Tensor,

@@ -157,8 +157,10 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path, threads: int)
 
 
 # The decode packages multiply as `ops.decode_linear` where this machine's one-row F.linear takes at least
-# this many times as long as a sum over the same weights (measured: 2.2 in bf16 and 2.9 in fp32 on a Zen
-# 4; 1.8 in bf16 on a Xeon with AMX, where fp32 F.linear was the faster)
+# this many times as long as a sum over the same weights. On a Zen 4 (2 cores, `small`'s wq_b) it took
+# 2.2x in bf16 and 2.9..5.2x in fp32, and the products took the c=1 fp32 decode step from 24.7 to
+# 13.1..14.1 ms; on a Xeon with AMX, bf16 F.linear took 1.8x the products' time and fp32 F.linear was
+# the faster (its lag against a sum was not measured there)
 _PRODUCTS_LAG = 1.25
 
 
@@ -176,7 +178,8 @@ def _decode_products(model: PagedModel, threads: int) -> bool:
 
 
 # Pieces with two packages (the module's docstring): the one named as the piece serves forwards of at
-# most DECODE_TOKENS tokens, with `ops.decode_linear`'s products; `<name>_many` serves the rest.
+# most DECODE_TOKENS tokens, with `ops.decode_linear`'s products where they pay (`_decode_products`);
+# `<name>_many` serves the rest.
 _BY_TOKENS = ("attention_entry", "attention_exit")
 # Packages (by name prefix) whose fused kernels run on one thread
 _ONE_THREAD = ("mix", "attend", "compressor_feed", "index_queries", "moe_dispatch", "moe_combine")

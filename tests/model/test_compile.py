@@ -138,6 +138,27 @@ def test_decode_packages_equal_eager(model, compile_cache, dtype):
                 assert (got_part.float() - want_part.float()).abs().max() <= rel * scale, name
 
 
+def test_decode_products_follow_the_measured_lag_and_key_the_packages(model, monkeypatch):
+    """The decode packages multiply as `ops.decode_linear` exactly where one-row F.linear lags a sum by
+    `_PRODUCTS_LAG` or more, and the choice is part of the packages' key: a package compiled with one
+    choice is never loaded for the other."""
+    cfg, weights = model
+    m = ModelRunner(cfg, weights, ServerArgs(dtype="float32", page_size=PAGE, max_running_requests=2,
+                                             max_total_tokens=4 * PAGE, disable_compile=True)).model
+    lag = ops.one_row_linear_lag([block.attn.wq_b for block in m.blocks], 1)
+    assert 0 < lag < float("inf")
+    for measured, products in ((compile._PRODUCTS_LAG, True), (compile._PRODUCTS_LAG * 0.99, False)):
+        monkeypatch.setattr(ops, "one_row_linear_lag", lambda weights, threads, measured=measured: measured)
+        assert compile._decode_products(m, 1) is products
+    experts, examples = m.blocks[0].ffn.experts, compile._examples(m)
+    for products, product in ((True, ops.decode_linear), (False, ops.linear)):
+        modules = compile._modules(cfg, experts, products)
+        assert modules["attention_entry"].constants["product"] is product
+        assert modules["attention_exit"].constants["product"] is product
+        assert "product" not in modules["attention_entry_many"].constants
+    assert compile._key(cfg, experts, examples, True) != compile._key(cfg, experts, examples, False)
+
+
 # The arguments that have a row per token: the entry's residual (4) and RoPE tables (the last 2); the
 # exit's attention output and tables; the decode attention's all but the sink
 _TOKEN_ARGS = {"attention_entry": (0, 1, 2, 3, 12, 13), "attention_exit": (0, 1, 2),

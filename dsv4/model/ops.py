@@ -70,9 +70,10 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def one_row_linear_lag(weights: list[torch.Tensor], threads: int) -> float:
-    """How many times as long F.linear of one row takes over `weights` as a sum over each of their rows
-    (what `decode_linear`'s compiled products cost: [8192, 256] on a Zen 4, fp32 626 against ATen's sum
-    617 us, 4096 x 1024), measured on the calling thread at `threads` threads, three passes each."""
+    """How many times as long F.linear of one row takes over `weights` as a sum over each of their rows,
+    which reads them at the pace of `decode_linear`'s compiled products (a [4096, 1024] fp32 weight on a
+    Zen 4: the products 626 us, ATen's sum 617); measured on the calling thread at `threads` threads,
+    three passes each."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -55,8 +55,9 @@ exit have two packages each, both on every thread (`_BY_TOKENS`):
 - one for more tokens, whose query-sized passes (norms and RoPE over [tokens, heads, head_dim])
   pay for the fork (at 256 tokens of `small` in bf16 the entry took 4.2 ms against 5.9 on one
   thread, the exit 1.0 against 1.1).
-The decode steps' MoE (`moe_few`) runs on every thread too: its products spread over the tokens
-(two tokens in bf16: 231 against 453 us a layer; one, 194 against 200).
+The decode steps' MoE (`moe_few`) runs on every thread too: its products spread over the picks
+(two tokens in bf16: 231 against 453 us a layer; one, 194 against 200, when they spread over the
+tokens), and its shared expert multiplies as the entry and exit do (`_decode_products`).
 
 Packages are kept in `cache` under a key of everything the code depends on (torch's version, the
 CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, the choice of decode
@@ -165,9 +166,9 @@ _PRODUCTS_LAG = 1.25
 
 
 def _decode_products(model: PagedModel, threads: int) -> bool:
-    """Whether the entry's and exit's decode packages multiply as `ops.decode_linear` rather than with
-    F.linear: on the CPU, where one-row F.linear over the layers' query projections (wq_b) lags a sum
-    over them by `_PRODUCTS_LAG` or more. Off the CPU, F.linear (the products were not measured there)."""
+    """Whether the decode packages (the entry's, the exit's and the MoE's shared expert) multiply as
+    `ops.decode_linear` rather than with F.linear: on the CPU, where one-row F.linear over the layers'
+    query projections (wq_b) lags a sum over them by `_PRODUCTS_LAG` or more. Off the CPU, F.linear (the products were not measured there)."""
     if model.embed.device.type != "cpu":
         return False
     lag = ops.one_row_linear_lag([block.attn.wq_b for block in model.blocks], threads)
@@ -227,7 +228,8 @@ class _Piece(torch.nn.Module):
 
 def _modules(cfg: ModelConfig, experts: range, decode_products: bool) -> dict[str, _Piece]:
     """Every package's module by name (`moe_few_*` and the `_BY_TOKENS` pieces' own names: forwards of
-    few tokens, `_token_limit`, whose products are `ops.decode_linear`'s with `decode_products`)."""
+    few tokens, `_token_limit`, whose whole-weight products are `ops.decode_linear`'s with
+    `decode_products`)."""
     constants, dispatch = _constants(cfg), moe.dispatch_constants(cfg, experts)
     product = ops.decode_linear if decode_products else ops.linear
     return {
@@ -241,7 +243,7 @@ def _modules(cfg: ModelConfig, experts: range, decode_products: bool) -> dict[st
         "compressor_feed": _Piece(compressor.feed),
         "index_queries": _Piece(attention.index_queries, **_index_constants(cfg)),
         **{f"moe_dispatch_{kind}": _Piece(moe.dispatch, **dispatch) for kind in ("hash", "scored")},
-        **{f"moe_few_{kind}": _Piece(moe.few, **dispatch, swiglu_limit=cfg.swiglu_limit)
+        **{f"moe_few_{kind}": _Piece(moe.few, **dispatch, swiglu_limit=cfg.swiglu_limit, product=product)
            for kind in ("hash", "scored")},
         "moe_combine": _Piece(moe.combine, swiglu_limit=cfg.swiglu_limit)}
 

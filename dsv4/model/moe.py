@@ -81,19 +81,23 @@ def grouped(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route:
 def few(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor, w13: torch.Tensor,
         w2: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, *, first_expert: int,
         local_experts: int, top_k: int, scoring_func: str, norm_topk_prob: bool, routed_scaling_factor: float,
-        swiglu_limit: float) -> torch.Tensor:
+        swiglu_limit: float, product: Callable = linear) -> torch.Tensor:
     """`grouped`'s result for the few tokens of a decode step: each (token, pick) runs its expert's
     weights where they lie (`row_linear` over w13[expert]: compiled, an indexed read, not a copy), with
-    the rounding `grouped` has (each projection rounded to the weights' dtype). Compiled only: eager,
-    every pick would copy its expert's weights."""
+    the rounding `grouped` has (each projection rounded to the weights' dtype). The picks are one flat
+    axis, the one the compiled products split over the threads: with the token axis outermost, a
+    one-token step ran its up-projections on one thread (small, fp32, 2 threads, weights from memory:
+    262..292 -> 249..266 us a layer; bf16 211..222 -> 179..200). `product` multiplies by the shared
+    expert's whole weights: `linear`, or `ops.decode_linear` where the decode packages take it (fp32, one
+    token: 249..266 -> 201..223 us). Compiled only: eager, every pick would copy its expert's weights."""
     experts, weights = _route(x, token_ids, gate, route, top_k, scoring_func, norm_topk_prob, routed_scaling_factor)
-    local = experts - first_expert  # [T, k]; picks of other ranks' experts run a stand-in, then drop out
+    local = (experts - first_expert).flatten()  # [T * k]; picks of other ranks' experts run a stand-in, then drop out
     mine = ((local >= 0) & (local < local_experts)).unsqueeze(-1)
     local = local.clamp(0, local_experts - 1)
-    up = row_linear(x.unsqueeze(1), w13[local])  # [T, k, 2 * inter]
-    outputs = row_linear(swiglu(up, swiglu_limit), w2[local])  # [T, k, hidden]
-    out = torch.where(mine, outputs.to(weights.dtype) * weights.unsqueeze(-1), 0).sum(1)
-    return _plus_shared(out, x, shared_w13, shared_w2, swiglu_limit, linear)  # (a whole weight: a matmul)
+    up = row_linear(x.repeat_interleave(top_k, 0), w13[local])  # [T * k, 2 * inter]
+    outputs = row_linear(swiglu(up, swiglu_limit), w2[local])  # [T * k, hidden]
+    weighted = torch.where(mine, outputs.to(weights.dtype) * weights.flatten().unsqueeze(-1), 0)
+    return _plus_shared(weighted.unflatten(0, (-1, top_k)).sum(1), x, shared_w13, shared_w2, swiglu_limit, product)
 
 
 def dispatch(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor, *, first_expert: int,

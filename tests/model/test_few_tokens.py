@@ -40,9 +40,10 @@ def _layer(hash_routed: bool, g: torch.Generator):
     return gate, route, w13, w2, shared
 
 
+@pytest.mark.parametrize("shared_product", [linear, decode_linear], ids=["linear", "decode_linear"])
 @pytest.mark.parametrize("hash_routed", [False, True], ids=["scored", "hash"])
 @pytest.mark.parametrize("share", [(0, 8), (0, 4), (4, 4)], ids=["all", "rank0of2", "rank1of2"])
-def test_few_equals_grouped(hash_routed, share):
+def test_few_equals_grouped(hash_routed, share, shared_product):
     g = torch.Generator().manual_seed(1)
     gate, route, w13, w2, shared = _layer(hash_routed, g)
     first, count = share
@@ -56,6 +57,6 @@ def test_few_equals_grouped(hash_routed, share):
         token_ids = torch.randint(0, 100, (tokens,), generator=g)
         args = (x, token_ids, gate, route, w13[mine].contiguous(), w2[mine].contiguous(), *shared)
         want = grouped(*args)
-        got = moe.few(*args, **constants, swiglu_limit=LIMIT)
+        got = moe.few(*args, **constants, swiglu_limit=LIMIT, product=shared_product)
         assert got.dtype == want.dtype and got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

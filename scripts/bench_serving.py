@@ -118,7 +118,8 @@ def plan(args) -> tuple[list[Run], list[Run]]:
 
 def decode_bound(model_dir: Path, dtypes: list[str], gib: float, context: int) -> tuple[dict, dict]:
     """The machine's memory bandwidth, and per dtype the decode step's floor: weight bytes read at
-    contexts of up to `context` tokens / bandwidth."""
+    contexts of up to `context` tokens / bandwidth (`read_as_served` revises it for a server that
+    reads bf16 copies)."""
     from bench.baseline import decode_weight_bytes, memory_bandwidth
 
     bandwidth = memory_bandwidth(gib)
@@ -132,6 +133,19 @@ def decode_bound(model_dir: Path, dtypes: list[str], gib: float, context: int) -
     return bandwidth, bound
 
 
+def read_as_served(model_dir: Path, results, context: int, bandwidth: dict, bound: dict) -> None:
+    """Where a server's decode steps read bf16 copies of its fp32 weights, its floor is the bytes it
+    reads, not the dtype's (kept as `decode_weight_bytes_<dtype>_in_dtype`)."""
+    from bench.baseline import decode_weight_bytes
+
+    for r in results:
+        if r.reads_bf16_copies:
+            weight_bytes = decode_weight_bytes(model_dir, r.dtype, context, bf16_copies=True)
+            bandwidth[f"decode_weight_bytes_{r.dtype}_in_dtype"] = bandwidth[f"decode_weight_bytes_{r.dtype}"]
+            bandwidth[f"decode_weight_bytes_{r.dtype}"] = weight_bytes
+            bound[r.dtype] = weight_bytes / (bandwidth["read_gbps"] * 1e9)
+
+
 def print_bound(results, c1: Run, bandwidth: dict, bound: dict) -> None:
     for r in results:
         record = r.get("dsv4", c1)
@@ -142,6 +156,12 @@ def print_bound(results, c1: Run, bandwidth: dict, bound: dict) -> None:
         print(f"decode step c=1 ({r.dtype}): {step:.1f} ms; weights read per step "
               f"{bandwidth[f'decode_weight_bytes_{r.dtype}'] / 1e6:.1f} MB / {bandwidth['read_gbps']:.1f} GB/s "
               f"= {floor:.2f} ms floor; the step takes {step / floor:.1f}x the floor")
+        in_dtype = bandwidth.get(f"decode_weight_bytes_{r.dtype}_in_dtype")
+        if in_dtype is not None:
+            floor_in_dtype = in_dtype / (bandwidth["read_gbps"] * 1e9) * 1000
+            print(f"  (its products read bf16 copies of the {r.dtype} weights, which hold bf16 values: in "
+                  f"{r.dtype} they weigh {in_dtype / 1e6:.1f} MB, a {floor_in_dtype:.2f} ms floor, "
+                  f"{step / floor_in_dtype:.1f}x)")
 
 
 def tp_compare(model_dir: Path, args, work: Workload, results: Results, c1: Run, prompts: list[list[int]],
@@ -191,6 +211,9 @@ def main(argv=None) -> int:
                      for i, dtype in enumerate(args.dtype)]
         summary["startup_s"] = {r.dtype: r.startup_s for r in per_dtype}
 
+    if not args.url:
+        read_as_served(args.model_dir, per_dtype, args.input_len + args.output_len, bandwidth, bound)
+        summary.update(bandwidth=bandwidth, decode_floor_s=bound)
     for r in per_dtype:
         print(f"\n{r.dtype}: dsv4 against HF (x: dsv4's speedup; medians)")
         print(ratio_table(r, every + last))

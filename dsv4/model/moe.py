@@ -84,7 +84,7 @@ def few(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: tor
         swiglu_limit: float, product: Callable = linear) -> torch.Tensor:
     """`grouped`'s result for the few tokens of a decode step: each (token, pick) runs its expert's
     weights where they lie (`row_linear` over w13[expert]: compiled, an indexed read, not a copy), with
-    the rounding `grouped` has (each projection rounded to the weights' dtype). The picks are one flat
+    the rounding `grouped` has (each projection rounded to the model's dtype). The picks are one flat
     axis, the one the compiled products split over the threads: with the token axis outermost, a
     one-token step ran its up-projections on one thread (small, fp32, 2 threads, weights from memory:
     262..292 -> 249..266 us a layer; bf16 211..222 -> 179..200). `product` multiplies by the shared

@@ -39,15 +39,16 @@ DECODE_TOKENS = 2
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`linear` for the few rows of a decode step, written as products summed in at least fp32 and
-    rounded once into the weight's dtype (what a matmul computes, summed in another order). The
-    compiled MoE of a decode step (`moe.few`) multiplies by each pick's expert this way, so that the
-    indexed weight is read in place rather than copied. Compiled, it is a fused kernel whose threads
-    split the tokens (dsv4/model/compile.py): for a whole weight, a matmul over every core is faster
+    rounded once into x's dtype, the model's (what a matmul computes, summed in another order; the
+    weight may be stored narrower, holding that dtype's values: dsv4/model/compile.py `_bf16_twins`).
+    The compiled MoE of a decode step (`moe.few`) multiplies by each pick's expert this way, so that
+    the indexed weight is read in place rather than copied. Compiled, it is a fused kernel whose threads
+    split the rows (dsv4/model/compile.py): for a whole weight, a matmul over every core is faster
     (Xeon with AMX, 2 cores, one row of a 256 x 8192 weight on one thread: bf16 6.5 GB/s against
     F.linear's 14.2, fp32 7.8 against 22.3); on one thread of a Zen 4, where MKL is slow, it was the
     other way (fp32 20 GB/s against 7.8). Eager it would materialise every product: never run it so."""
-    acc = accumulation_dtype(weight.dtype)
-    return (x.to(weight.dtype).to(acc).unsqueeze(-2) * weight.to(acc)).sum(-1).to(weight.dtype)
+    acc = accumulation_dtype(x.dtype)
+    return (x.to(acc).unsqueeze(-2) * weight.to(acc)).sum(-1).to(x.dtype)
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -59,14 +60,15 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     anew on every call (Xeon with AMX, 2 cores, one row: a [8192, 256] bf16 weight 151 us against
     F.linear's 246, [512, 512] 20 against 40; at four rows the matmul wins, 309 against 389 us), and
     on a Zen 4 MKL's fp32 one-row matmul reads at a third of a sum's pace (the same [8192, 256] in
-    fp32: 363 against 1070 us). The same sums as a matmul in another order, rounded once into the
-    weight's dtype. Eager it would materialise every product: compiled only."""
-    acc = accumulation_dtype(weight.dtype)
+    fp32: 363 against 1070 us). The same sums as a matmul in another order, rounded once into x's
+    dtype (the model's; the weight may be stored narrower, as `row_linear`'s). Eager it would
+    materialise every product: compiled only."""
+    acc = accumulation_dtype(x.dtype)
     # Grouped: one group at a time (their number is the model's, so the loop unrolls), faster than one
     # product broadcast over all groups (small's exit at one token: 120 against 203 us)
     if weight.dim() == 3:
         return torch.stack([decode_linear(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
-    return (weight.to(acc).unsqueeze(1) * x.to(weight.dtype).to(acc).unsqueeze(0)).sum(-1).t().to(weight.dtype)
+    return (weight.to(acc).unsqueeze(1) * x.to(acc).unsqueeze(0)).sum(-1).t().to(x.dtype)
 
 
 def one_row_linear_lag(weights: list[torch.Tensor], threads: int) -> float:

@@ -21,6 +21,10 @@ from dsv4.config import ModelConfig, expected_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _ROUTED_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+# The weights an fp32 server's decode steps read as bf16 copies when every one holds bf16 values
+# (dsv4/model/compile.py `_bf16_twins`): the attention's input and output projections and the experts'
+_BF16_COPIES = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|compressor\.(wkv|wgate)|indexer\.(weights_proj|compressor\.(wkv|wgate)))"
+                          r"\.weight$|\.(experts\.\d+|shared_experts)\.w[123]\.weight$")
 
 
 class _StepClock(BaseStreamer):
@@ -92,9 +96,9 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict[str, float]:
     return {"read_gbps": read, "copy_gbps": copy, "bytes": nbytes}
 
 
-def decode_weight_bytes(model_dir: Path, dtype: str, context: int) -> int:
+def decode_weight_bytes(model_dir: Path, dtype: str, context: int, bf16_copies: bool = False) -> int:
     """Parameter bytes one decode step of one token reads at contexts of up to `context` tokens, in the
-    model's dtype.
+    model's dtype (with `bf16_copies`, those an fp32 server reads as bf16 copies at 2 bytes each).
 
     Every tensor is read whole except: the embedding (one row, the token's), the hash layers'
     token-to-expert table (one row), the compressors' absolute position embeddings `ape` (one row,
@@ -111,9 +115,9 @@ def decode_weight_bytes(model_dir: Path, dtype: str, context: int) -> int:
     and is left out: at a 256-token context it is small next to the weights.
     """
     cfg = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
-    itemsize = DTYPES[dtype].itemsize
     total = 0
     for name, shape in expected_weights(cfg).items():
+        itemsize = 2 if bf16_copies and _BF16_COPIES.search(name) else DTYPES[dtype].itemsize
         routed = _ROUTED_EXPERT.search(name)
         if routed and int(routed.group(1)) >= cfg.num_experts_per_tok:
             continue  # a routed expert the token does not choose (any E of them weigh the same)

@@ -71,6 +71,7 @@ class DtypeResult:
     runs: dict[tuple[str, str], dict] = field(default_factory=dict)  # (backend, label) -> record
     storm: dict | None = None
     hf_load_s: float = math.nan
+    reads_bf16_copies: bool = False  # the server's decode steps read bf16 copies of fp32 weights (its log says)
 
     def get(self, backend: str, run: Run) -> dict | None:
         return self.runs.get((backend, run.label))
@@ -172,6 +173,7 @@ def measure_dtype(model_dir: Path, dtype: str, server_args: list[str], runs: lis
         out.startup_s = server.ready_seconds
         print(f"\ndsv4 server ({dtype}) ready in {out.startup_s:.1f} s", flush=True)
         measure_server(server.url, dtype, runs, work, results, out, storm)
+    out.reads_bf16_copies = "read bf16 copies of the fp32 weights" in server.log.read_text(errors="replace")
     # HF runs after the server has stopped: neither competes with the other for the cores.
     measure_hf(model_dir, dtype, runs, work, results, out)
     return out

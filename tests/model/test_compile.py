@@ -59,13 +59,17 @@ def compile_cache(tmp_path_factory):
 
 
 def test_compiled_model_equals_eager(model, caplog, compile_cache, monkeypatch):
+    """With the decode products and the weights' bf16 twins (the checkpoint is bf16, served in fp32),
+    whatever this machine's matmuls measure."""
     cfg, _ = model
     monkeypatch.setenv("DSV4_CACHE_DIR", str(compile_cache))
+    monkeypatch.setattr(ops, "one_row_linear_lag", lambda weights, threads: 2 * compile._PRODUCTS_LAG)
     prompt = torch.randint(0, cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(3)).tolist()
     with caplog.at_level(logging.INFO, logger="dsv4.model.compile"):
         compiled = runner(model, disable_compile=False, compile_timeout=600)
     assert compiled.compiled, caplog.text
     assert "compiling (once per machine)" in caplog.text and "compiled pieces ready" in caplog.text
+    assert "read bf16 copies of the fp32 weights" in caplog.text
     packages = sorted(path.name.split("-")[0] for path in compile_cache.rglob("*.pt2"))
     assert packages == ["attend_decodes", "attend_decodes_compressed", "attention_entry", "attention_entry_many", "attention_exit",
                         "attention_exit_many", "compressor_feed", "index_queries", "mix", "moe_combine", "moe_dispatch_hash", "moe_dispatch_scored",
@@ -111,31 +115,54 @@ print("compiled:", r.compiled)
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_decode_packages_equal_eager(model, compile_cache, dtype):
-    """The entry's and exit's decode packages as they are compiled where one-row matmuls lag
-    (`ops.decode_linear`'s products summed over the output features, where the eager pieces call
-    F.linear): at one and two tokens they give the eager pieces' results within one rounding of the
-    dtype. So does the decode attention over the dtype's rows."""
+    """The decode packages as they are compiled where one-row matmuls lag (`ops.decode_linear`'s
+    products summed over the output features, where the eager pieces call F.linear; in fp32, over the
+    weights' bf16 twins, which hold the same values): at one token and at the most each serves they give
+    the eager pieces' results, over the fp32 weights, within one rounding of the dtype. So does the
+    decode attention over the dtype's rows."""
     cfg, weights = model
     m = ModelRunner(cfg, weights, ServerArgs(dtype=dtype, page_size=PAGE, max_running_requests=2,
                                              max_total_tokens=4 * PAGE, disable_compile=True)).model
-    examples, modules = compile._examples(m), compile._modules(cfg, m.blocks[0].ffn.experts, decode_products=True)
+    twins = compile._bf16_twins(m)
+    assert bool(twins) is (dtype == "float32")  # the checkpoint is bf16: its fp32 weights hold bf16 values
+    examples, modules = compile._examples(m, twins), compile._modules(cfg, m.blocks[0].ffn.experts, decode_products=True)
+    served = compile._examples(m, {})  # what the model calls the pieces with
     rel = 2e-2 if dtype == "bfloat16" else 1e-5
     g = torch.Generator().manual_seed(5)
-    for name in ("attention_entry", "attention_exit", "attend_decodes_compressed"):
+    for name in ("attention_entry", "attention_exit", "attend_decodes_compressed", "moe_few_scored", "moe_few_hash"):
+        if dtype == "float32" and name != "attend_decodes_compressed":
+            assert any(t.dtype == torch.bfloat16 for t in examples[name]), name  # compiled for the twins
         piece = compile._load_or_compile(compile_cache / f"{name}-{dtype}.pt2", name, examples[name], modules[name])
         eager = modules[name].function
         constants = {k: v for k, v in modules[name].constants.items() if k != "product"}
         assert modules[name].constants.get("product", ops.decode_linear) is ops.decode_linear
-        for tokens in (1, ops.DECODE_TOKENS):
+        for tokens in (1, compile._token_limit(name) or 3):
             # every per-token input random at this many tokens; the weights are the layer's
-            args = [_random_like(t, tokens, g) if i in _TOKEN_ARGS[name] else t for i, t in enumerate(examples[name])]
-            got = piece(*(t.clone() for t in args))
-            want = eager(*(t.clone() for t in args), **constants)
+            rows = {i: _random_like(served[name][i], tokens, g) for i in _TOKEN_ARGS[name]}
+            got = piece(*(rows.get(i, t).clone() for i, t in enumerate(examples[name])))
+            want = eager(*(rows.get(i, t).clone() for i, t in enumerate(served[name])), **constants)
             for got_part, want_part in zip(got if isinstance(got, tuple) else (got,),
                                            want if isinstance(want, tuple) else (want,), strict=True):
                 assert got_part.dtype == want_part.dtype and got_part.shape == want_part.shape
                 scale = want_part.float().abs().max()
                 assert (got_part.float() - want_part.float()).abs().max() <= rel * scale, name
+
+
+def test_bf16_twins_only_where_every_weight_holds_bf16_values(model):
+    """An fp32 model gets bf16 twins of the weights its decode packages read whole only when no weight
+    would round; each twin holds its weight's values."""
+    cfg, weights = model
+    args = {"page_size": PAGE, "max_running_requests": 2, "max_total_tokens": 4 * PAGE, "disable_compile": True}
+    m = ModelRunner(cfg, weights, ServerArgs(dtype="float32", **args)).model
+    twins = compile._bf16_twins(m)
+    assert {id(w) for w in (m.blocks[0].attn.wq_b, m.blocks[-1].ffn.w13, m.blocks[0].attn.input_weights[0])} <= set(twins)
+    for weight, twin in twins.values():
+        assert twin.dtype == torch.bfloat16 and twin.is_contiguous() and torch.equal(twin.float(), weight)
+    rounding = dict(weights)
+    name = next(n for n in weights if n.endswith("attn.wo_b.weight"))
+    rounding[name] = weights[name] + 1e-4  # one weight past bf16
+    m = ModelRunner(cfg, rounding, ServerArgs(dtype="float32", **args)).model
+    assert compile._bf16_twins(m) == {}
 
 
 def test_decode_products_follow_the_measured_lag_and_key_the_packages(model, monkeypatch):
@@ -150,7 +177,7 @@ def test_decode_products_follow_the_measured_lag_and_key_the_packages(model, mon
     for measured, products in ((compile._PRODUCTS_LAG, True), (compile._PRODUCTS_LAG * 0.99, False)):
         monkeypatch.setattr(ops, "one_row_linear_lag", lambda weights, threads, measured=measured: measured)
         assert compile._decode_products(m, 1) is products
-    experts, examples = m.blocks[0].ffn.experts, compile._examples(m)
+    experts, examples = m.blocks[0].ffn.experts, compile._examples(m, {})
     for products, product in ((True, ops.decode_linear), (False, ops.linear)):
         modules = compile._modules(cfg, experts, products)
         assert modules["attention_entry"].constants["product"] is product
@@ -160,9 +187,10 @@ def test_decode_products_follow_the_measured_lag_and_key_the_packages(model, mon
 
 
 # The arguments that have a row per token: the entry's residual (4) and RoPE tables (the last 2); the
-# exit's attention output and tables; the decode attention's all but the sink
+# exit's attention output and tables; the decode attention's all but the sink; the MoE's input and
+# token ids
 _TOKEN_ARGS = {"attention_entry": (0, 1, 2, 3, 12, 13), "attention_exit": (0, 1, 2),
-               "attend_decodes_compressed": (0, 1, 2, 4, 5, 6)}
+               "attend_decodes_compressed": (0, 1, 2, 4, 5, 6), "moe_few_scored": (0, 1), "moe_few_hash": (0, 1)}
 
 
 def _random_like(example: torch.Tensor, rows: int, g: torch.Generator) -> torch.Tensor:

@@ -67,3 +67,25 @@ def test_summary_counts_only_completed_requests_and_divides_by_wall_time():
 def test_ratio_is_nan_where_a_side_is_missing():
     assert ratio(6.0, 2.0) == 3.0
     assert math.isnan(ratio(1.0, 0.0)) and math.isnan(ratio(math.nan, 1.0)) and math.isnan(ratio(1.0, math.nan))
+
+
+def test_the_floor_counts_as_bf16_exactly_the_weights_the_server_reads_as_bf16_copies(tiny_ckpt):
+    """scripts/bench/baseline.py's `_BF16_COPIES` names the checkpoint tensors that
+    dsv4/model/compile.py `_bf16_twins` copies: every element of each, and no other."""
+    import torch
+    from bench.baseline import _BF16_COPIES, decode_weight_bytes
+
+    from dsv4.config import ModelConfig, ServerArgs, expected_weights
+    from dsv4.engine.runner import ModelRunner
+    from dsv4.model import compile
+    from dsv4.weights import load_state_dict
+
+    cfg = ModelConfig.from_json(tiny_ckpt)
+    runner = ModelRunner(cfg, load_state_dict(tiny_ckpt, cfg, dtype=torch.float32),
+                         ServerArgs(dtype="float32", max_running_requests=1, max_total_tokens=256, disable_compile=True))
+    twins = compile._bf16_twins(runner.model)
+    named = sum(math.prod(shape) for name, shape in expected_weights(cfg).items() if _BF16_COPIES.search(name))
+    assert named == sum(twin.numel() for _, twin in twins.values()) > 0
+    in_fp32, as_read = (decode_weight_bytes(tiny_ckpt, "float32", 64, bf16_copies=copies) for copies in (False, True))
+    in_bf16 = decode_weight_bytes(tiny_ckpt, "bfloat16", 64)
+    assert in_bf16 < as_read < in_fp32  # the norms, mixes, gate, embedding row and head stay fp32

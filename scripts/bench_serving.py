@@ -211,9 +211,8 @@ def main(argv=None) -> int:
                      for i, dtype in enumerate(args.dtype)]
         summary["startup_s"] = {r.dtype: r.startup_s for r in per_dtype}
 
-    if not args.url:
+    if not args.url:  # (the summary holds these dicts: it sees the revision)
         read_as_served(args.model_dir, per_dtype, args.input_len + args.output_len, bandwidth, bound)
-        summary.update(bandwidth=bandwidth, decode_floor_s=bound)
     for r in per_dtype:
         print(f"\n{r.dtype}: dsv4 against HF (x: dsv4's speedup; medians)")
         print(ratio_table(r, every + last))

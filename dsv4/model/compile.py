@@ -172,7 +172,8 @@ _PRODUCTS_LAG = 1.25
 def _decode_products(model: PagedModel, threads: int) -> bool:
     """Whether the decode packages (the entry's, the exit's and the MoE's shared expert) multiply as
     `ops.decode_linear` rather than with F.linear: on the CPU, where one-row F.linear over the layers'
-    query projections (wq_b) lags a sum over them by `_PRODUCTS_LAG` or more. Off the CPU, F.linear (the products were not measured there)."""
+    query projections (wq_b) lags a sum over them by `_PRODUCTS_LAG` or more. Off the CPU, F.linear
+    (the products were not measured there)."""
     if model.embed.device.type != "cpu":
         return False
     lag = ops.one_row_linear_lag([block.attn.wq_b for block in model.blocks], threads)

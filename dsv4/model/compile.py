@@ -191,6 +191,10 @@ _BY_TOKENS = ("attention_entry", "attention_exit")
 _ONE_THREAD = ("mix", "attend", "compressor_feed", "index_queries", "moe_dispatch", "moe_combine")
 
 
+# How the log says that the decode packages read bf16 copies (scripts/bench reads it to count their bytes)
+BF16_COPIES_LOGGED = "decode steps read bf16 copies of the fp32 weights"
+
+
 def _bf16_twins(model: PagedModel) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """For an fp32 model whose decode packages multiply as products: bf16 copies of the weights they
     read whole (the attention's input and output projections, the experts), where every one of them
@@ -209,8 +213,8 @@ def _bf16_twins(model: PagedModel) -> dict[int, tuple[torch.Tensor, torch.Tensor
         if not torch.equal(twin.to(weight.dtype), weight):
             return {}
         twins[id(weight)] = (weight, twin)
-    log.info("decode steps read bf16 copies of the fp32 weights they multiply by whole (%.0f MB more "
-             "memory): every one holds bf16 values", sum(t.numel() * 2 for _, t in twins.values()) / 1e6)
+    log.info("%s they multiply by whole (%.0f MB more memory): every one holds bf16 values", BF16_COPIES_LOGGED,
+             sum(t.numel() * 2 for _, t in twins.values()) / 1e6)
     return twins
 
 

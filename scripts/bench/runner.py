@@ -166,6 +166,8 @@ def measure_hf(model_dir: Path, dtype: str, runs: list[Run], work: Workload, res
 
 def measure_dtype(model_dir: Path, dtype: str, server_args: list[str], runs: list[Run], work: Workload,
                   results: Results, storm: Storm | None = None, ready_timeout: float = 600) -> DtypeResult:
+    from dsv4.model.compile import BF16_COPIES_LOGGED  # (torch: imported where a server is measured)
+
     out = DtypeResult(dtype)
     server = ServerProcess(model_dir, ["--dtype", dtype, *server_args], ready_timeout,
                            results.folder / f"server-{dtype}.log")
@@ -173,7 +175,7 @@ def measure_dtype(model_dir: Path, dtype: str, server_args: list[str], runs: lis
         out.startup_s = server.ready_seconds
         print(f"\ndsv4 server ({dtype}) ready in {out.startup_s:.1f} s", flush=True)
         measure_server(server.url, dtype, runs, work, results, out, storm)
-    out.reads_bf16_copies = "read bf16 copies of the fp32 weights" in server.log.read_text(errors="replace")
+    out.reads_bf16_copies = BF16_COPIES_LOGGED in server.log.read_text(errors="replace")
     # HF runs after the server has stopped: neither competes with the other for the cores.
     measure_hf(model_dir, dtype, runs, work, results, out)
     return out

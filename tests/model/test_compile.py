@@ -69,7 +69,7 @@ def test_compiled_model_equals_eager(model, caplog, compile_cache, monkeypatch):
         compiled = runner(model, disable_compile=False, compile_timeout=600)
     assert compiled.compiled, caplog.text
     assert "compiling (once per machine)" in caplog.text and "compiled pieces ready" in caplog.text
-    assert "read bf16 copies of the fp32 weights" in caplog.text
+    assert compile.BF16_COPIES_LOGGED in caplog.text
     packages = sorted(path.name.split("-")[0] for path in compile_cache.rglob("*.pt2"))
     assert packages == ["attend_decodes", "attend_decodes_compressed", "attention_entry", "attention_entry_many", "attention_exit",
                         "attention_exit_many", "compressor_feed", "index_queries", "mix", "moe_combine", "moe_dispatch_hash", "moe_dispatch_scored",

@@ -46,12 +46,16 @@ layer and batch size. The fused kernels of the pieces that serve every batch siz
 package at two threads, the decode products then `row_linear`: a c=1 decode step of `small` took
 24.4 ms in bf16 and 33.8 in fp32, against 21.3 and 22.0 at one, the products matmuls); the matmuls
 inside follow the calling thread's count (every core, dsv4.engine.runner). The attention's entry and
-exit have two packages each, both on every thread (`_BY_TOKENS`):
+exit have two packages each, three in fp32 on the CPU, all on every thread (`_BY_TOKENS`):
 - one for forwards of at most `ops.DECODE_TOKENS` tokens, whose products are `ops.decode_linear`'s
   where this machine's one-row matmuls read weights slower than a sum does (`_decode_products`,
   measured at every start; so far bf16 on a Xeon and a Zen 4, fp32 on the Zen 4): products summed
   over the output features spread over every thread (a c=1 bf16 decode step of `small` on the Xeon:
   17.0 -> 15.2..15.7 ms, the entries 5.5 -> 4.1 ms of it, the exits 2.3 -> 1.7);
+- in fp32 on the CPU, one for forwards of at most `ops.WEIGHT_FIRST_TOKENS` tokens (decode steps of
+  a few requests), whose products are `ops.weight_first_linear`'s (`_weight_first`): MKL's F.linear
+  reads an fp32 weight slowly for few rows (a decode step of `small` in process at 3 requests: 34..38
+  -> 16..20 ms; at 8: 45..60 -> 36..49 ms);
 - one for more tokens, whose query-sized passes (norms and RoPE over [tokens, heads, head_dim])
   pay for the fork (at 256 tokens of `small` in bf16 the entry took 4.2 ms against 5.9 on one
   thread, the exit 1.0 against 1.1).
@@ -183,9 +187,10 @@ def _decode_products(model: PagedModel, threads: int) -> bool:
     return products
 
 
-# Pieces with two packages (the module's docstring): the one named as the piece serves forwards of at
-# most DECODE_TOKENS tokens, with `ops.decode_linear`'s products where they pay (`_decode_products`);
-# `<name>_many` serves the rest.
+# Pieces with two or three packages (the module's docstring): the one named as the piece serves forwards
+# of at most DECODE_TOKENS tokens, with `ops.decode_linear`'s products where they pay (`_decode_products`);
+# `<name>_some`, where there is one (`_weight_first`), those of at most WEIGHT_FIRST_TOKENS with
+# `ops.weight_first_linear`'s; `<name>_many` the rest.
 _BY_TOKENS = ("attention_entry", "attention_exit")
 # Packages (by name prefix) whose fused kernels run on one thread
 _ONE_THREAD = ("mix", "attend", "compressor_feed", "index_queries", "moe_dispatch", "moe_combine")
@@ -218,6 +223,12 @@ def _bf16_twins(model: PagedModel) -> dict[int, tuple[torch.Tensor, torch.Tensor
     return twins
 
 
+def _weight_first(model: PagedModel) -> bool:
+    """Whether the attention's entry and exit get a package for forwards of a few tokens that multiplies
+    weight first (`ops.weight_first_linear`): for an fp32 model on the CPU."""
+    return model.dtype == torch.float32 and model.embed.device.type == "cpu"
+
+
 def _with_twins(args: tuple, twins: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple:
     """`args` with every weight that has a bf16 twin (`_bf16_twins`) replaced by it."""
     return tuple(twins[id(t)][1] if id(t) in twins else t for t in args)
@@ -238,14 +249,18 @@ def _assemble(eager: Pieces, compiled: dict[str, Callable], twins: dict[int, tup
         return lambda x, token_ids, gate, route, *weights: packages["hash" if route.dtype == torch.long else "scored"](
             x, token_ids, gate, route, *weights)
 
-    def by_tokens(few: Callable, general: Callable, limit: int) -> Callable:  # the first argument's rows: tokens
-        def route(first: torch.Tensor, *rest: torch.Tensor):
-            if first.shape[0] > limit:
-                return general(first, *rest)
-            return few(first, *(_with_twins(rest, twins) if twins else rest))
+    def by_tokens(few: Callable, general: Callable, limit: int, some: Callable | None = None) -> Callable:
+        def route(first: torch.Tensor, *rest: torch.Tensor):  # the first argument's rows: tokens
+            tokens = first.shape[0]
+            if tokens <= limit:
+                return few(first, *(_with_twins(rest, twins) if twins else rest))
+            if some is not None and tokens <= ops.WEIGHT_FIRST_TOKENS:
+                return some(first, *rest)
+            return general(first, *rest)
         return route
 
-    entry, exit_ = (by_tokens(compiled[name], compiled[f"{name}_many"], _token_limit(name)) for name in _BY_TOKENS)
+    entry, exit_ = (by_tokens(compiled[name], compiled[f"{name}_many"], _token_limit(name), compiled.get(f"{name}_some"))
+                    for name in _BY_TOKENS)
     # (a model of window layers alone has no compressor to compile a feed for, nor index queries)
     return Pieces(mix=compiled["mix"], attention_entry=entry, attend=eager.attend, attend_decodes=attend_decodes,
                   attention_exit=exit_,
@@ -272,16 +287,18 @@ class _Piece(torch.nn.Module):
 def _modules(cfg: ModelConfig, experts: range, decode_products: bool) -> dict[str, _Piece]:
     """Every package's module by name (`moe_few_*` and the `_BY_TOKENS` pieces' own names: forwards of
     few tokens, `_token_limit`, whose whole-weight products are `ops.decode_linear`'s with
-    `decode_products`)."""
+    `decode_products`; their `_some` packages multiply weight first)."""
     constants, dispatch = _constants(cfg), moe.dispatch_constants(cfg, experts)
     product = ops.decode_linear if decode_products else ops.linear
     return {
         "mix": _Piece(mhc.mix, **constants),
         "attention_entry": _Piece(attention.attention_entry, **constants, product=product),
+        "attention_entry_some": _Piece(attention.attention_entry, **constants, product=ops.weight_first_linear),
         "attention_entry_many": _Piece(attention.attention_entry, **constants),
         "attend_decodes": _Piece(attention.decode_sink_attention, scale=_scale(cfg)),
         "attend_decodes_compressed": _Piece(attention.decode_sink_attention, scale=_scale(cfg)),
         "attention_exit": _Piece(attention.attention_exit, product=product),
+        "attention_exit_some": _Piece(attention.attention_exit, product=ops.weight_first_linear),
         "attention_exit_many": _Piece(attention.attention_exit),
         "compressor_feed": _Piece(compressor.feed),
         "index_queries": _Piece(attention.index_queries, **_index_constants(cfg)),
@@ -294,7 +311,8 @@ def _modules(cfg: ModelConfig, experts: range, decode_products: bool) -> dict[st
 def _examples(model: PagedModel, twins: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, ...]]:
     """Each piece's arguments for a batch of 2 tokens: zero activations, the weights of the layer with
     the widest input projection (traced at a window layer's, the empty rest would be specialised); the
-    packages of few tokens with the weights' bf16 `twins` where there are some (`_bf16_twins`)."""
+    decode steps' packages (`_reads_twins`) with the weights' bf16 `twins` where there are some
+    (`_bf16_twins`)."""
     block = max(model.blocks, key=lambda block: block.attn.input_weights[0].shape[0])
     cfg, tokens = model.cfg, 2
     n, hidden, dtype = cfg.hc_mult, cfg.hidden_size, model.dtype
@@ -354,8 +372,9 @@ def _examples(model: PagedModel, twins: dict[int, tuple[torch.Tensor, torch.Tens
     # A package's kernels index every input with the strides its example had, unchecked, and `piece`
     # passes contiguous tensors: an example laid out otherwise (a weight that is a view, as dsv4.tiny's
     # tid2eid is) compiles kernels that read the served tensor's elements from the wrong places.
-    examples.update({f"{name}_many": examples[name] for name in _BY_TOKENS})
-    examples = {name: _with_twins(tensors, twins) if _token_limit(name) is not None else tensors
+    examples.update({f"{name}{tier}": examples[name] for name in _BY_TOKENS
+                     for tier in ("_some", "_many") if tier == "_many" or _weight_first(model)})
+    examples = {name: _with_twins(tensors, twins) if _reads_twins(name) else tensors
                 for name, tensors in examples.items()}
     return {name: tuple(None if t is None else t.contiguous() for t in tensors) for name, tensors in examples.items()}
 
@@ -365,7 +384,15 @@ def _token_limit(name: str) -> int | None:
     """The most tokens the package serves (None: any number)."""
     if name.startswith("moe_few"):
         return ops.FEW_TOKENS
+    if name.endswith("_some"):
+        return ops.WEIGHT_FIRST_TOKENS
     return ops.DECODE_TOKENS if name in _BY_TOKENS else None
+
+
+def _reads_twins(name: str) -> bool:
+    """Whether the package reads the weights' bf16 twins where there are some (`_bf16_twins`): those of
+    decode steps, whose products upcast each weight as they read it."""
+    return name in _BY_TOKENS or name.startswith("moe_few")
 
 
 def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:

@@ -24,16 +24,23 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] times weight [out, in] (the checkpoint's layout), or grouped, x [..., G, in] times
-    weight [G, out, in]; in the weight's dtype. An fp32 product of rows x [T, in] on the CPU is taken
-    weight first, (weight @ x^T)^T, a transposed view: MKL's fp32 matmul with the weight as its
-    transposed operand reads it slowly for few rows (Zen 4, 2 cores, [8192, 256] from memory, ms for 2 /
-    8 / 32 / 256 rows: 1.77 / 1.70 / 2.58 / 8.5 against 0.27 / 0.53 / 1.41 / 6.4 weight first; a decode
-    step of `small` in fp32 at 3 requests 34..38 -> 18 ms). The same sums; bf16 matmuls read fast either
-    way (and the grouped form's batched matmul was as fast as weight first)."""
+    weight [G, out, in]; in the weight's dtype."""
     x = x.to(weight.dtype)
-    if weight.dim() == 2 and x.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu":
-        return (weight @ x.T).T
     return F.linear(x, weight) if weight.dim() == 2 else torch.einsum("...gi,goi->...go", x, weight)
+
+
+def weight_first_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`linear` of rows x [T, in] taken weight first, (weight @ x^T)^T: the same sums, as a transposed
+    view. The compiled attention entry and exit of fp32 forwards of a few tokens on the CPU multiply
+    this way (dsv4/model/compile.py, `_weight_first`): MKL's fp32 matmul with the weight as its
+    transposed operand, F.linear's, reads it slowly for few rows (Zen 4, 2 cores, a [8192, 256] weight
+    from memory, ms at 2 / 8 / 32 / 64 rows: 1.77 / 1.70 / 2.58 / 3.68 against 0.27 / 0.53 / 1.41 / 2.03
+    weight first), while at a prefill's hundreds of rows the transposed result costs its readers more
+    than it saves (`small`, a forward of two 256-token chunks and 30 decodes: 648..655 -> 690..722 ms).
+    The grouped form stays `linear`'s batched matmul, which was as fast."""
+    if weight.dim() == 3:
+        return linear(x, weight)
+    return (weight @ x.to(weight.dtype).T).T
 
 
 # Forwards of at most this many tokens (decode steps of up to four requests) run the compiled MoE that
@@ -42,6 +49,10 @@ FEW_TOKENS = 4
 # Forwards of at most this many tokens run the attention's compiled entry and exit with `decode_linear`'s
 # products; at four tokens bf16 matmuls were faster (see there; three were not measured).
 DECODE_TOKENS = 2
+# fp32 forwards of more tokens, up to this many, run the compiled entry and exit with `weight_first_linear`'s
+# products on the CPU (see there). `small`'s decode step in process, against F.linear's, at 4 / 16 / 30
+# requests: 18..22 / 61..66 / 74..90 ms against 36 / 73..80 / 71..91 (the gain is gone by 30).
+WEIGHT_FIRST_TOKENS = 32
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

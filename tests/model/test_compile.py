@@ -49,6 +49,8 @@ def logits_of(r: ModelRunner, prompt: list[int], decodes: list[int]) -> torch.Te
         rows.append(r.forward(ForwardBatch(tick=2 + i, chunks=(chunk(0, len(prompt) + i, [token]),))))
     both = (chunk(0, len(prompt) + len(decodes), [7]), chunk(1, 50, [9]))
     rows.append(r.forward(ForwardBatch(tick=2 + len(decodes), chunks=both)))
+    # a forward of a few tokens (in fp32: the entry's and exit's weight-first packages)
+    rows.append(r.forward(ForwardBatch(tick=3 + len(decodes), chunks=(chunk(1, 51, [3, 1, 4, 1, 5, 9]),))))
     return torch.cat(rows)
 
 
@@ -71,9 +73,10 @@ def test_compiled_model_equals_eager(model, caplog, compile_cache, monkeypatch):
     assert "compiling (once per machine)" in caplog.text and "compiled pieces ready" in caplog.text
     assert compile.BF16_COPIES_LOGGED in caplog.text
     packages = sorted(path.name.split("-")[0] for path in compile_cache.rglob("*.pt2"))
-    assert packages == ["attend_decodes", "attend_decodes_compressed", "attention_entry", "attention_entry_many", "attention_exit",
-                        "attention_exit_many", "compressor_feed", "index_queries", "mix", "moe_combine", "moe_dispatch_hash", "moe_dispatch_scored",
-                        "moe_few_hash", "moe_few_scored"]  # no partial one
+    assert packages == ["attend_decodes", "attend_decodes_compressed", "attention_entry", "attention_entry_many",
+                        "attention_entry_some", "attention_exit", "attention_exit_many", "attention_exit_some",
+                        "compressor_feed", "index_queries", "mix", "moe_combine", "moe_dispatch_hash",
+                        "moe_dispatch_scored", "moe_few_hash", "moe_few_scored"]  # no partial one
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="dsv4.model.compile"):
         reloaded = runner(model, disable_compile=False, compile_timeout=600)  # a restart: from the cache

@@ -41,7 +41,7 @@ Each compiled piece is the eager function exported as it stands: the same math, 
 summation order of the fused code may differ, within fp32 rounding. Its batch sizes are symbolic
 (tokens; the MoE's picks; the decode attention's batch and compressed rows; and the width of the layer's
 input projection, which differs between window, HCA and CSA layers), so one package per piece serves every
-layer and batch size. The fused kernels of the pieces that serve every batch size run on one thread
+layer and batch size. The fused kernels of most pieces that serve every batch size run on one thread
 (`cpp.threads`, `_ONE_THREAD`): they are small, and forking for each costs more than it saves (every
 package at two threads, the decode products then `row_linear`: a c=1 decode step of `small` took
 24.4 ms in bf16 and 33.8 in fp32, against 21.3 and 22.0 at one, the products matmuls); the matmuls

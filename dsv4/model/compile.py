@@ -375,8 +375,8 @@ def _examples(model: PagedModel, twins: dict[int, tuple[torch.Tensor, torch.Tens
     # A package's kernels index every input with the strides its example had, unchecked, and `piece`
     # passes contiguous tensors: an example laid out otherwise (a weight that is a view, as dsv4.tiny's
     # tid2eid is) compiles kernels that read the served tensor's elements from the wrong places.
-    examples.update({f"{name}{tier}": examples[name] for name in _BY_TOKENS
-                     for tier in ("_some", "_many") if tier == "_many" or _weight_first(model)})
+    tiers = ("_some", "_many") if _weight_first(model) else ("_many",)
+    examples.update({f"{name}{tier}": examples[name] for name in _BY_TOKENS for tier in tiers})
     examples = {name: _with_twins(tensors, twins) if _reads_twins(name) else tensors
                 for name, tensors in examples.items()}
     return {name: tuple(None if t is None else t.contiguous() for t in tensors) for name, tensors in examples.items()}

@@ -13,7 +13,7 @@ import torch
 
 from dsv4.config import ModelConfig, ServerArgs
 from dsv4.engine.runner import ModelRunner
-from dsv4.model import compile, ops
+from dsv4.model import compile, ops, package_cache
 from dsv4.protocol import ForwardBatch, ForwardChunk
 from dsv4.weights import load_state_dict
 
@@ -77,10 +77,18 @@ def test_compiled_model_equals_eager(model, caplog, compile_cache, monkeypatch):
                         "attention_entry_some", "attention_exit", "attention_exit_many", "attention_exit_some",
                         "compressor_feed", "index_queries", "mix", "moe_combine", "moe_dispatch_hash",
                         "moe_dispatch_scored", "moe_few_hash", "moe_few_scored"]  # no partial one
+    # Packages of older builds, the oldest used long ago: a start keeps its own and the most recent others
+    folder = next(compile_cache.rglob("*.pt2")).parent
+    stale = {f"{i:016x}": folder / f"mix-{i:016x}.pt2" for i in range(package_cache.KEEP_KEYS)}
+    for i, path in enumerate(stale.values()):
+        path.write_bytes(b"an older build's package")
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="dsv4.model.compile"):
+    with caplog.at_level(logging.INFO, logger="dsv4.model"):
         reloaded = runner(model, disable_compile=False, compile_timeout=600)  # a restart: from the cache
     assert reloaded.compiled and "loading the model's pieces" in caplog.text, caplog.text
+    assert not stale[f"{0:016x}"].exists() and all(path.exists() for path in list(stale.values())[1:])
+    assert "removed 1 compiled packages of 1 older builds" in caplog.text
     eager = runner(model, disable_compile=True)
     assert not eager.compiled
     got, again, want = (logits_of(r, prompt, [5, 6, 7]) for r in (compiled, reloaded, eager))

@@ -439,7 +439,16 @@ def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
 
 def _load_or_compile_all(packages: dict[str, Path], examples: dict[str, tuple],
                          modules: dict[str, _Piece]) -> dict[str, Callable]:
-    return {name: _load_or_compile(path, name, examples[name], modules[name]) for name, path in packages.items()}
+    """Every package, loaded or compiled; each one compiled is logged as it lands (a first start
+    compiles for minutes: the log shows how far it is)."""
+    loaded, started = {}, time.monotonic()
+    for done, (name, path) in enumerate(packages.items(), 1):
+        compiling = not path.exists()
+        loaded[name] = _load_or_compile(path, name, examples[name], modules[name])
+        if compiling:
+            log.info("compiled %s (%d of %d packages, %.0f s so far)", name, done, len(packages),
+                     time.monotonic() - started)
+    return loaded
 
 
 def _load_or_compile(package: Path, name: str, example: tuple[torch.Tensor, ...], module: _Piece) -> Callable:

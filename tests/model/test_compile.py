@@ -77,6 +77,7 @@ def test_compiled_model_equals_eager(model, caplog, compile_cache, monkeypatch):
                         "attention_entry_some", "attention_exit", "attention_exit_many", "attention_exit_some",
                         "compressor_feed", "index_queries", "mix", "moe_combine", "moe_dispatch_hash",
                         "moe_dispatch_scored", "moe_few_hash", "moe_few_scored"]  # no partial one
+    assert "(16 of 16 packages" in caplog.text  # each compiled package logged as it lands
     # Packages of older builds, the oldest used long ago: a start keeps its own and the most recent others
     folder = next(compile_cache.rglob("*.pt2")).parent
     stale = {f"{i:016x}": folder / f"mix-{i:016x}.pt2" for i in range(package_cache.KEEP_KEYS)}

@@ -72,9 +72,9 @@ decode step of `small` on a Zen 4, in process: 12.0 -> 9.3 ms).
 Packages are kept in `cache` under a key of everything the code depends on (torch's version, the
 CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, the choice of decode
 products, and the source of this module and of those that define the math), so a restart on the same
-machine loads them; a start that has its packages removes those of all but the few most recently used
-keys (dsv4/model/package_cache.py) (`small`'s fourteen packages: the server ready 4.6 s after start; compiling them,
-103 s to ready on 2 cores, bf16). Compiling or loading is bounded by `timeout`: past it, or on any
+machine loads them (`small`'s fourteen packages: the server ready 4.6 s after start; compiling them,
+103 s to ready on 2 cores, bf16, each package logged as it lands), and a start that has its packages
+removes those of all but the few most recently used keys (dsv4/model/package_cache.py). Compiling or loading is bounded by `timeout`: past it, or on any
 failure, the model serves eagerly and says so (a slow compiler never keeps a server from starting; a
 compile that finishes late still fills the cache for the next start).
 """
@@ -258,29 +258,29 @@ def _assemble(eager: Pieces, compiled: dict[str, Callable], twins: dict[int, tup
         return lambda x, token_ids, gate, route, *weights: packages["hash" if route.dtype == torch.long else "scored"](
             x, token_ids, gate, route, *weights)
 
-    def by_tokens(tiers: list[tuple[str, Callable]]) -> Callable:
+    def by_tokens(tiers: list[tuple[str, Callable]], general: Callable) -> Callable:
         """Calls for a number of tokens routed to the first of `tiers` (package name, its callable; from
-        the fewest tokens up, the last serving any number) whose `_token_limit` admits it."""
-        limits = [(_token_limit(name), _reads_twins(name) and bool(twins), piece) for name, piece in tiers]
+        the fewest tokens up) whose `_token_limit` admits it, else to `general`."""
+        bounded = [(_token_limit(name), _reads_twins(name) and bool(twins), piece) for name, piece in tiers]
 
         def route(first: torch.Tensor, *rest: torch.Tensor):  # the first argument's rows: tokens
             tokens = first.shape[0]
-            for limit, reads_twins, piece in limits:
-                if limit is None or tokens <= limit:
+            for limit, reads_twins, piece in bounded:
+                if tokens <= limit:
                     return piece(first, *(_with_twins(rest, twins) if reads_twins else rest))
-            raise AssertionError("the last tier serves any number of tokens")
+            return general(first, *rest)
         return route
 
-    entry, exit_ = (by_tokens([(tier, compiled[tier]) for tier in (name, f"{name}_some", f"{name}_many")
-                               if tier in compiled]) for name in _BY_TOKENS)
+    entry, exit_ = (by_tokens([(tier, compiled[tier]) for tier in (name, f"{name}_some") if tier in compiled],
+                              compiled[f"{name}_many"]) for name in _BY_TOKENS)
     # (a model of window layers alone has no compressor to compile a feed for, nor index queries)
     return Pieces(mix=compiled["mix"], attention_entry=entry, attend=eager.attend, attend_decodes=attend_decodes,
                   attention_exit=exit_,
                   compressor_feed=compiled.get("compressor_feed", eager.compressor_feed),
                   index_queries=compiled.get("index_queries", eager.index_queries),
-                  moe=by_tokens([("moe_few", by_route("moe_few")),
-                                 ("moe", functools.partial(eager.moe, dispatch=by_route("moe_dispatch"),
-                                                           combine=compiled["moe_combine"]))]),
+                  moe=by_tokens([("moe_few", by_route("moe_few"))],
+                                functools.partial(eager.moe, dispatch=by_route("moe_dispatch"),
+                                                  combine=compiled["moe_combine"])),
                   compiled=True)
 
 

@@ -73,10 +73,11 @@ Packages are kept in `cache` under a key of everything the code depends on (torc
 CPU's vector ISA, the pieces' input shapes and dtypes, the model's constants, the choice of decode
 products, and the source of this module and of those that define the math), so a restart on the same
 machine loads them (`small`'s fourteen packages: the server ready 4.6 s after start; compiling them,
-103 s to ready on 2 cores, bf16, each package logged as it lands), and a start that has its packages
-removes those of all but the few most recently used keys (dsv4/model/package_cache.py). Compiling or loading is bounded by `timeout`: past it, or on any
-failure, the model serves eagerly and says so (a slow compiler never keeps a server from starting; a
-compile that finishes late still fills the cache for the next start).
+120 s to ready on 2 cores, bf16, each package logged as it lands), and a start that has its packages
+removes those of all but the few most recently used keys (dsv4/model/package_cache.py). Compiling or
+loading is bounded by `timeout`: past it, or on any failure, the model serves eagerly and says so (a
+slow compiler never keeps a server from starting; a compile that finishes late still fills the cache
+for the next start).
 """
 
 from __future__ import annotations

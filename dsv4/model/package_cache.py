@@ -18,9 +18,10 @@ log = logging.getLogger(__name__)
 
 # `<piece>-<key>.pt2` as compile.py names a package (its `.partial.pt2` files, being written, never match)
 _PACKAGE = re.compile(r"^[a-z0-9_]+-([0-9a-f]{16})\.pt2$")
-# The keys whose packages stay: the running build's and a few others (another model, another dtype,
-# a build switched back to) that a next start may want without compiling again
-KEEP_KEYS = 8
+# The keys whose packages stay: the running build's and others (another model, another dtype, a build
+# switched back to) that a next start may want without compiling again. A tensor-parallel server on one
+# machine has a key per rank (each runs its own experts), hence room for several servers' worth.
+KEEP_KEYS = 16
 
 
 def mark_used(packages: list[Path]) -> None:

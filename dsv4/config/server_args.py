@@ -25,6 +25,12 @@ def cpu_has_fast_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
 
 
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU has AVX512-BF16's dot products of bf16 pairs into fp32 (a Zen 4, a Xeon since
+    Cooper Lake): dsv4/kernels/band_softmax.py runs the attention's prefill logits on them."""
+    return "avx512_bf16" in _cpu_flags()
+
+
 def cpu_has_amx_bf16() -> bool:
     """Whether this CPU has AMX tiles for bf16 (a Xeon since Sapphire Rapids), where oneDNN's fp32
     matmuls run as bf16 products (`fp32_precision = "bf16"`) several times faster than in fp32."""

@@ -20,6 +20,8 @@ reading the pools directly; the torch code above is the CPU path.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -27,7 +29,7 @@ import torch
 
 from dsv4.config import CSA, HCA, WINDOW, ModelConfig
 from dsv4.config.server_args import cpu_has_amx_bf16
-from dsv4.kernels import dispatch
+from dsv4.kernels import band_softmax, dispatch
 from dsv4.kernels import rows as row_formats
 from dsv4.memory.pools import StatePools, put_rows, take_rows
 
@@ -41,14 +43,11 @@ from .sharding import Reducer, ShardPlan
 if TYPE_CHECKING:
     from .compile import Pieces
 
+log = logging.getLogger(__name__)
+
 _PLAIN_ROW_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 # Row formats whose rows read back as bf16 values (fp8: e4m3 times a power of two; the rotated part bf16).
 _BF16_VALUED_ROW_FORMATS = ("bf16", "fp8")
-# Whether a bf16 model's prefill logits run on bf16 units (`banded_sink_attention`'s `exact_bf16`): with
-# AMX the logits' matmuls took a third of the time; on a Zen 4 (AVX512-BF16, no AMX) oneDNN copies the
-# operands to convert them and a 256-token bf16 prefill of `small` took 235 ms against 227 in fp32
-# (interleaved, 7 each).
-_BF16_LOGITS = cpu_has_amx_bf16()
 
 
 class AttentionInputs(NamedTuple):
@@ -95,6 +94,9 @@ class PagedAttention:
         self.rest_start, self.rest_widths = sum(part.shape[0] for part in inputs[:2]), [part.shape[0] for part in inputs[2:]]
         # (`project_inputs`' weights, in its order)
         self.input_weights = (torch.cat(inputs), self.q_norm, self.wq_b, self.kv_norm)
+        # A bf16 model's prefill logits on the CPU's bf16 units (`bf16_logits`): its queries and rows hold bf16 values.
+        self.exact_bf16 = (pools.device.type == "cpu" and not kernels and self.wq_b.dtype == torch.bfloat16
+                           and pools.main_format in _BF16_VALUED_ROW_FORMATS and bf16_logits() is not None)
 
     def __call__(self, inputs: AttentionInputs, plan: BatchPlan, rope: Rope, on_selection: SelectionSink | None,
                  pieces: Pieces) -> torch.Tensor:
@@ -190,9 +192,8 @@ class PagedAttention:
         if pad:  # (a copy: avoided when the blocks tile the chunk)
             queries = torch.nn.functional.pad(queries, (0, 0, 0, 0, 0, pad))  # [B, N*Q, H, D]
         queries = queries.unflatten(1, (blocks, block)).to(acc)  # [B, N, Q, H, D]: (query, head) rows in memory order
-        exact_bf16 = _BF16_LOGITS and q.dtype == torch.bfloat16 and self.pools.main_format in _BF16_VALUED_ROW_FORMATS
         out = self._sink_attention(group, queries, raw, group.band_allowed, picks, pad, attend,
-                                   exact_bf16=exact_bf16)  # [B, N, Q, H, D]
+                                   exact_bf16=self.exact_bf16)  # [B, N, Q, H, D]
         return out.flatten(1, 2)[:, :length].flatten(0, 1).to(q.dtype)  # [B*L, H, D]
 
     def _attend_decodes(self, group: AttentionGroup, q: torch.Tensor, raw_rows: torch.Tensor, positions: torch.Tensor,
@@ -390,15 +391,35 @@ def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch
     of the model's compiled pieces (dsv4/model/compile.py): with and without compressed rows.
 
     `exact_bf16`: q, raw and compressed hold bf16 values (upcast to fp32), so every product of q^T k
-    is exact in bf16 arithmetic: the logits' matmuls then run on the CPU's bf16 units, summing in
-    fp32 (oneDNN's `fp32_precision = "bf16"`, scoped to them): the same sums, 3x faster on AMX. The
-    value products keep fp32 (the weights are not bf16 values).
+    is exact in bf16 arithmetic: the logits then run on the CPU's bf16 units, summing in fp32, as
+    `bf16_logits` says. The value products keep fp32 (the weights are not bf16 values).
     """
     batch, blocks, block, heads, dim = q.shape
     # The softmax over [raw | compressed | sink] without concatenating its parts: exp(logit - max) per
     # part, one denominator, and the output divided by it after the value products (which
     # accumulate into one buffer); the same math as normalising first, up to rounding.
-    with _bf16_products(exact_bf16):
+    if exact_bf16 and bf16_logits() == "avx512_bf16":
+        raw_weights, compressed_weights, denominator = band_softmax.band_softmax(
+            q, raw, raw_allowed, sink, compressed, compressed_allowed, scale=scale)
+    else:
+        raw_weights, compressed_weights, denominator = _softmax_weights(
+            q, raw, raw_allowed, sink, compressed, compressed_allowed, scale=scale, bf16_products=exact_bf16)
+    out = torch.bmm(raw_weights.view(batch * blocks, block * heads, -1), raw.reshape(batch * blocks, -1, dim))
+    if compressed is not None:
+        # (in place: out is this function's own, and a fresh result would first copy all of it)
+        out.view(batch, blocks * block * heads, dim).baddbmm_(compressed_weights.view(batch, blocks * block * heads, -1),
+                                                              compressed)
+    return out.view(batch, blocks, block, heads, dim).div_(denominator)
+
+
+def _softmax_weights(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor, sink: torch.Tensor,
+                     compressed: torch.Tensor | None, compressed_allowed: torch.Tensor | None, *, scale: float,
+                     bf16_products: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`banded_sink_attention`'s softmax weights exp(logit - peak) over the band [B, N, Q, H, K] and
+    the compressed rows [B, N, Q, H, C] (or None), and their denominator [B, N, Q, H, 1] with the
+    sink's term (what dsv4/kernels/band_softmax.py computes), in torch ops; `bf16_products`: the logits'
+    matmuls on bf16 units (oneDNN's `fp32_precision = "bf16"`, scoped to them)."""
+    with _bf16_products(bf16_products):
         raw_logits = torch.einsum("bnqhd,bnkd->bnqhk", q, raw)
         compressed_logits = None if compressed is None else torch.einsum("bnqhd,bcd->bnqhc", q, compressed)
     raw_logits = raw_logits.mul_(scale).masked_fill_(~raw_allowed.unsqueeze(3), -torch.inf)
@@ -410,14 +431,26 @@ def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch
         peak = torch.maximum(peak, compressed_logits.amax(-1, keepdim=True))
     raw_weights = raw_logits.sub_(peak).exp_()  # [B, N, Q, H, K]
     denominator = raw_weights.sum(-1, keepdim=True) + (sink - peak).exp()
-    out = torch.bmm(raw_weights.view(batch * blocks, block * heads, -1), raw.reshape(batch * blocks, -1, dim))
+    compressed_weights = None
     if compressed is not None:
         compressed_weights = compressed_logits.sub_(peak).exp_()
         denominator += compressed_weights.sum(-1, keepdim=True)
-        # (in place: out is this function's own, and a fresh result would first copy all of it)
-        out.view(batch, blocks * block * heads, dim).baddbmm_(compressed_weights.view(batch, blocks * block * heads, -1),
-                                                              compressed)
-    return out.view(batch, blocks, block, heads, dim).div_(denominator)
+    return raw_weights, compressed_weights, denominator
+
+
+@functools.cache
+def bf16_logits() -> str | None:
+    """How `banded_sink_attention`'s `exact_bf16` logits run on this CPU's bf16 units, or None (in fp32):
+    - "onednn" with AMX: oneDNN's fp32 matmuls on bf16 products (the logits' matmuls took a third of
+      the time);
+    - "avx512_bf16" with AVX512-BF16 alone (a Zen 4), where oneDNN copies the operands to convert them
+      (a 256-token bf16 prefill of `small` took 235 ms against 227 in fp32, interleaved, 7 each): the
+      logits and the softmax's passes as one kernel (dsv4/kernels/band_softmax.py; built on the first
+      call)."""
+    path = "onednn" if cpu_has_amx_bf16() else "avx512_bf16" if band_softmax.available() else None
+    log.info("a bf16 model's prefill attention logits run %s", {"onednn": "on AMX (oneDNN's bf16 products)",
+             "avx512_bf16": "on AVX512-BF16 (dsv4/kernels/band_softmax.py)", None: "in fp32"}[path])
+    return path
 
 
 def decode_sink_attention(q: torch.Tensor, ring: torch.Tensor, at: torch.Tensor, sink: torch.Tensor,

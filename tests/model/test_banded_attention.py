@@ -1,11 +1,14 @@
 """The CPU path's banded sink attention (dsv4.model.attention.banded_sink_attention) against the
-reference's sink attention over the union of each block's band and the compressed rows; with
-`exact_bf16` its logits run on bf16 units, exact for bf16-valued operands, and nothing else does.
-Decode tokens' attention over their rings (decode_sink_attention) against the same."""
+reference's sink attention over the union of each block's band and the compressed rows, on each way
+its logits run: fp32, and with `exact_bf16` on bf16 units (oneDNN's bf16 products; the AVX512-BF16
+kernel of dsv4/kernels/band_softmax.py where this CPU has it), exact for bf16-valued operands. Decode
+tokens' attention over their rings (decode_sink_attention) against the same."""
 
 import pytest
 import torch
 
+from dsv4.kernels import band_softmax
+from dsv4.model import attention
 from dsv4.model.attention import banded_sink_attention, decode_sink_attention
 from dsv4.reference.attention import sink_attention
 
@@ -29,8 +32,17 @@ def reference(q, raw, raw_allowed, sink, compressed, compressed_allowed, scale):
     return out.transpose(1, 2).unflatten(0, (B, N))  # [B, N, Q, H, D]
 
 
-@pytest.mark.parametrize("exact_bf16", [False, True])
-def test_banded_attention_equals_the_reference_over_band_and_compressed_rows(exact_bf16):
+@pytest.fixture(params=[None, "onednn", "avx512_bf16"])
+def logits_path(request, monkeypatch):
+    """How the logits run (None: fp32), whatever this CPU would choose."""
+    if request.param == "avx512_bf16" and not band_softmax.available():
+        pytest.skip("this CPU has no AVX512-BF16 (or no C compiler builds the kernel)")
+    monkeypatch.setattr(attention, "bf16_logits", lambda: request.param)
+    return request.param
+
+
+def test_banded_attention_equals_the_reference_over_band_and_compressed_rows(logits_path):
+    exact_bf16 = logits_path is not None
     scale = D**-0.5
     setting = torch.backends.mkldnn.matmul.fp32_precision
     for seed in range(3):
@@ -45,7 +57,8 @@ def test_banded_attention_equals_the_reference_over_band_and_compressed_rows(exa
     assert torch.backends.mkldnn.matmul.fp32_precision == setting  # scoped to the logits
 
 
-def test_the_bf16_setting_is_restored_when_the_attention_fails():
+def test_the_bf16_setting_is_restored_when_the_attention_fails(monkeypatch):
+    monkeypatch.setattr(attention, "bf16_logits", lambda: "onednn")
     setting = torch.backends.mkldnn.matmul.fp32_precision
     q, raw, raw_allowed, sink, *_ = inputs(0)
     with pytest.raises(RuntimeError):

@@ -1,0 +1,219 @@
+/* The softmax weights of the CPU path's banded sink attention (dsv4/kernels/band_softmax.py) on
+ * AVX512-BF16: each query row's logits over its block's band of raw rows and the compressed rows,
+ * scaled and masked, exponentiated against the row's peak (the sink's logit included) and summed.
+ *
+ * The operands are fp32 tensors that hold bf16 values, so every product q[d] * k[d] is exact in
+ * fp32: the dot products run as vdpbf16ps (pairs of bf16 products summed into fp32 lanes), the same
+ * sums as fp32 arithmetic in another order, at twice the fp32 rate of this CPU's FMA units. Each block's
+ * keys are converted once into pair-interleaved strips of 16 keys (`packed[d / 2][key]`), and each
+ * query row's pair is broadcast against a strip: the 8 x 32 logits of a tile stay in 16 registers
+ * over the whole head dimension, and a tile's rows are finished (masked, exponentiated, summed) while
+ * they are in the L1 cache, one pass instead of torch's half-dozen over the logits. */
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { ROWS = 8, STRIP = 16 };
+
+/* p[]: the shapes, then the element strides of the inputs (every innermost stride is 1). */
+enum {
+  P_B, P_N, P_Q, P_H, P_K, P_C, P_D,
+  P_Q_B, P_Q_N, P_Q_M,          /* q[b][n][m][d], m = query * H + head */
+  P_RAW_B, P_RAW_N, P_RAW_K,    /* raw[b][n][k][d]: block n's band */
+  P_RA_B, P_RA_N, P_RA_J,       /* raw_allowed[b][n][query][k] */
+  P_COMP_B, P_COMP_C,           /* compressed[b][c][d] */
+  P_CA_B, P_CA_N, P_CA_J,       /* compressed_allowed[b][n][query][c] */
+  P_COUNT
+};
+
+typedef struct {
+  const float *q, *raw, *comp, *sink;
+  const uint8_t *raw_allowed, *comp_allowed;
+  float *raw_w, *comp_w, *denom;
+  const int64_t *p;
+  float scale;
+  int64_t first, last; /* this thread's work items: (block, tile of ROWS rows) */
+  int failed;
+} Job;
+
+static inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+/* One row of `d` fp32 (bf16-valued) as bf16 pairs into out[0 .. pairs), zero past d. */
+static void to_pairs(const float *row, int64_t d, uint32_t *out, int64_t pairs) {
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32) {
+    __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + i + 16), _mm512_loadu_ps(row + i));
+    _mm512_storeu_si512((void *)(out + i / 2), (__m512i)v);
+  }
+  if (i < d) {
+    int64_t left = d - i;
+    __mmask16 lo = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    __mmask16 hi = left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+    __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, row + i + 16), _mm512_maskz_loadu_ps(lo, row + i));
+    _mm512_storeu_si512((void *)(out + i / 2), (__m512i)v);
+    i += 32;
+  }
+  for (int64_t j = i / 2; j < pairs; j++) out[j] = 0;
+}
+
+/* exp(x) for x <= 0 (a logit minus its row's peak); 0 below -87 and for -inf (masked). Cephes'
+ * expf polynomial: within 2 ulp. */
+static inline __m512 exp_nonpositive(__m512 x) {
+  __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.3981999507e-3f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
+  poly = _mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(poly, n));
+}
+
+static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }
+
+/* Stores 16 logits of a row at out[0 .. n): scaled where `allowed[i]`, -inf elsewhere. */
+static inline void store_logits(__m512 acc, float scale, const uint8_t *allowed, float *out, int64_t n) {
+  __mmask16 lanes = first_lanes(n);
+  __mmask16 keep = _mm_mask_cmpneq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, allowed), _mm_setzero_si128());
+  __m512 v = _mm512_mask_mul_ps(_mm512_set1_ps(-__builtin_inff()), keep, acc, _mm512_set1_ps(scale));
+  _mm512_mask_storeu_ps(out, lanes, v);
+}
+
+static inline __m512 row_max(const float *row, int64_t n, __m512 peak) {
+  for (int64_t i = 0; i < n; i += 16)
+    peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(peak, first_lanes(n - i), row + i));
+  return peak;
+}
+
+static inline __m512 exp_row(float *row, int64_t n, __m512 peak, __m512 sum) {
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 lanes = first_lanes(n - i);
+    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row + i), peak));
+    _mm512_mask_storeu_ps(row + i, lanes, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(lanes, e));
+  }
+  return sum;
+}
+
+static void run(Job *job) {
+  const int64_t *p = job->p;
+  const int64_t N = p[P_N], H = p[P_H], K = p[P_K], C = p[P_C], D = p[P_D];
+  const int64_t M = p[P_Q] * H, tiles = (M + ROWS - 1) / ROWS;
+  const int64_t pairs = round_up(D, 32) / 2, raw_keys = round_up(K, STRIP), keys = raw_keys + round_up(C, STRIP);
+  uint32_t *rows = aligned_alloc(64, (size_t)(keys * pairs * 4));       /* keys as pairs, row-major */
+  uint32_t *packed = aligned_alloc(64, (size_t)(pairs * keys * 4));     /* packed[pair][key] */
+  uint32_t *query = aligned_alloc(64, (size_t)(ROWS * pairs * 4));
+  if (!rows || !packed || !query) {
+    job->failed = 1;
+    free(rows), free(packed), free(query);
+    return;
+  }
+  int64_t packed_block = -1;
+  for (int64_t item = job->first; item < job->last; item++) {
+    const int64_t block = item / tiles, tile = item % tiles, b = block / N, n = block % N;
+    if (block != packed_block) { /* this block's band and compressed rows, as strips of pairs */
+      for (int64_t k = 0; k < keys; k++) {
+        const float *src = k < K ? job->raw + b * p[P_RAW_B] + n * p[P_RAW_N] + k * p[P_RAW_K]
+                         : (k >= raw_keys && k - raw_keys < C) ? job->comp + b * p[P_COMP_B] + (k - raw_keys) * p[P_COMP_C]
+                         : NULL;
+        if (src) to_pairs(src, D, rows + k * pairs, pairs);
+        else memset(rows + k * pairs, 0, (size_t)pairs * 4);
+      }
+      for (int64_t k = 0; k < keys; k += STRIP) {
+        const __m512i at = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32((int)k),
+                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                                              _mm512_set1_epi32((int)pairs));
+        for (int64_t d = 0; d < pairs; d++)
+          _mm512_store_si512((void *)(packed + d * keys + k), _mm512_i32gather_epi32(at, (const void *)(rows + d), 4));
+      }
+      packed_block = block;
+    }
+    const int64_t m0 = tile * ROWS, count = M - m0 < ROWS ? M - m0 : ROWS;
+    for (int64_t r = 0; r < ROWS; r++) {
+      if (r < count) to_pairs(job->q + b * p[P_Q_B] + n * p[P_Q_N] + (m0 + r) * p[P_Q_M], D, query + r * pairs, pairs);
+      else memset(query + r * pairs, 0, (size_t)pairs * 4);
+    }
+    float *raw_out = job->raw_w + (block * M + m0) * K;
+    float *comp_out = job->comp_w ? job->comp_w + (block * M + m0) * C : NULL;
+    for (int64_t k = 0; k < keys; k += 2 * STRIP) {
+      const int two = k + STRIP < keys; /* a last strip may stand alone */
+      __m512 acc[ROWS][2];
+      for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      const uint32_t *strip = packed + k;
+      if (two) {
+        for (int64_t d = 0; d < pairs; d++, strip += keys) {
+          const __m512bh k0 = (__m512bh)_mm512_load_si512((const void *)strip);
+          const __m512bh k1 = (__m512bh)_mm512_load_si512((const void *)(strip + STRIP));
+#pragma GCC unroll 8
+          for (int r = 0; r < ROWS; r++) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)query[r * pairs + d]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, k0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, k1);
+          }
+        }
+      } else {
+        for (int64_t d = 0; d < pairs; d++, strip += keys) {
+          const __m512bh k0 = (__m512bh)_mm512_load_si512((const void *)strip);
+#pragma GCC unroll 8
+          for (int r = 0; r < ROWS; r++)
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32((int)query[r * pairs + d]), k0);
+        }
+      }
+      for (int r = 0; r < count; r++) {
+        const int64_t query_index = (m0 + r) / H;
+        for (int half = 0; half <= two; half++) {
+          const int64_t key = k + half * STRIP;
+          if (key < raw_keys)
+            store_logits(acc[r][half], job->scale,
+                         job->raw_allowed + b * p[P_RA_B] + n * p[P_RA_N] + query_index * p[P_RA_J] + key,
+                         raw_out + r * K + key, K - key);
+          else if (key - raw_keys < C)
+            store_logits(acc[r][half], job->scale,
+                         job->comp_allowed + b * p[P_CA_B] + n * p[P_CA_N] + query_index * p[P_CA_J] + key - raw_keys,
+                         comp_out + r * C + key - raw_keys, C - (key - raw_keys));
+        }
+      }
+    }
+    for (int r = 0; r < count; r++) { /* the tile's rows: softmax numerators and denominators */
+      const float sink = job->sink[(m0 + r) % H];
+      __m512 peak = row_max(raw_out + r * K, K, _mm512_set1_ps(sink));
+      if (comp_out) peak = row_max(comp_out + r * C, C, peak);
+      peak = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+      __m512 sum = exp_row(raw_out + r * K, K, peak, _mm512_setzero_ps());
+      if (comp_out) sum = exp_row(comp_out + r * C, C, peak, sum);
+      __m512 sink_term = exp_nonpositive(_mm512_sub_ps(_mm512_set1_ps(sink), peak));
+      job->denom[block * M + m0 + r] = _mm512_reduce_add_ps(sum) + _mm_cvtss_f32(_mm512_castps512_ps128(sink_term));
+    }
+  }
+  free(rows), free(packed), free(query);
+}
+
+/* Returns 0, or -1 where scratch memory could not be had. Outputs: raw_w [B, N, M, K], comp_w [B, N, M, C]
+ * (NULL with comp when C == 0) and denom [B, N, M], contiguous. The work is split over `threads`
+ * OpenMP threads: loaded into a process that runs torch, the kernel shares torch's libgomp (the same
+ * soname) and so its thread team; threads of its own would compete for the cores with torch's
+ * workers, which spin a while after each parallel op (a call took twice as long). */
+int band_softmax(const float *q, const float *raw, const uint8_t *raw_allowed, const float *comp,
+                 const uint8_t *comp_allowed, const float *sink, float *raw_w, float *comp_w, float *denom,
+                 const int64_t *p, float scale, int threads) {
+  const int64_t M = p[P_Q] * p[P_H], work = p[P_B] * p[P_N] * ((M + ROWS - 1) / ROWS);
+  int failed = 0;
+#pragma omp parallel num_threads(threads < 1 ? 1 : threads) reduction(| : failed)
+  {
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    Job job = {q, raw, comp, sink, raw_allowed, comp_allowed, raw_w, comp_w, denom, p, scale,
+               work * t / n, work * (t + 1) / n, 0};
+    run(&job);
+    failed |= job.failed;
+  }
+  return failed ? -1 : 0;
+}

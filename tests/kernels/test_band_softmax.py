@@ -1,0 +1,103 @@
+"""The AVX512-BF16 band softmax kernel (dsv4/kernels/band_softmax.py) against the same weights in
+float64 torch ops, over a sweep of shapes: head dims and key counts off its 32- and 16-wide steps,
+blocks' bands as the model lays them out (overlapping views of one source), masks shared by the
+batch, rows that see nothing but the sink, one thread against several."""
+
+import pytest
+import torch
+
+from dsv4.kernels import band_softmax
+
+pytestmark = pytest.mark.skipif(not band_softmax.available(),
+                                reason="this CPU has no AVX512-BF16 (or no C compiler builds the kernel)")
+
+# (batch, blocks, queries a block, heads, band rows, compressed rows, head dim)
+SHAPES = [(1, 16, 16, 16, 144, 64, 512), (2, 3, 5, 3, 37, 0, 70), (1, 1, 1, 1, 1, 1, 2), (2, 2, 7, 5, 33, 17, 64),
+          (3, 2, 4, 2, 16, 16, 32), (1, 2, 3, 4, 50, 3, 33), (2, 4, 8, 1, 144, 2, 96)]
+
+
+def expected(q, raw, raw_allowed, sink, compressed, compressed_allowed, scale):
+    sink = sink.double().view(1, 1, 1, -1, 1)
+    raw_logits = torch.einsum("bnqhd,bnkd->bnqhk", q.double(), raw.double()) * scale
+    raw_logits = raw_logits.masked_fill(~raw_allowed.unsqueeze(3), -torch.inf)
+    peak = torch.maximum(raw_logits.amax(-1, keepdim=True), sink)
+    if compressed is not None:
+        compressed_logits = torch.einsum("bnqhd,bcd->bnqhc", q.double(), compressed.double()) * scale
+        compressed_logits = compressed_logits.masked_fill(~compressed_allowed.unsqueeze(3), -torch.inf)
+        peak = torch.maximum(peak, compressed_logits.amax(-1, keepdim=True))
+    raw_weights = (raw_logits - peak).exp()
+    denominator = raw_weights.sum(-1, keepdim=True) + (sink - peak).exp()
+    compressed_weights = None
+    if compressed is not None:
+        compressed_weights = (compressed_logits - peak).exp()
+        denominator = denominator + compressed_weights.sum(-1, keepdim=True)
+    return raw_weights, compressed_weights, denominator
+
+
+def inputs(shape, seed):
+    batch, blocks, block, heads, keys, count, dim = shape
+    g = torch.Generator().manual_seed(seed)
+
+    def bf16_valued(*size):
+        return torch.randn(*size, generator=g).bfloat16().float()
+
+    q = bf16_valued(batch, blocks, block, heads, dim)
+    # each block's band: `keys` rows of one source from row n * block on, as the model's unfold
+    source = bf16_valued(batch, (blocks - 1) * block + keys, dim)
+    raw = source.unfold(1, keys, block).transpose(-1, -2)
+    shared = torch.rand(1, blocks, block, keys, generator=g) < 0.7
+    shared[:, 0, 0] = False
+    raw_allowed = shared.expand(batch, -1, -1, -1)  # (one mask for the batch, as the model's)
+    compressed = compressed_allowed = None
+    if count:
+        compressed = bf16_valued(batch, count, dim)
+        compressed_allowed = torch.rand(batch, blocks, block, count, generator=g) < 0.5
+        compressed_allowed[:, 0, 0] = False
+    return q, raw, raw_allowed, torch.randn(heads, generator=g) * 3, compressed, compressed_allowed
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_band_softmax_equals_the_float64_weights(shape):
+    scale = shape[-1] ** -0.5
+    for seed in range(2):
+        args = inputs(shape, seed)
+        got = band_softmax.band_softmax(*args, scale=scale)
+        want = expected(*args, scale)
+        for part, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert (a is None) == (b is None)
+            if a is None:
+                continue
+            assert a.dtype == torch.float32 and a.shape == b.shape, part
+            # each weight within fp32 sums' rounding of its logit (masked ones exactly 0): far below
+            # one bf16 rounding (~4e-3)
+            assert ((a.double() - b).abs() <= 1e-5 * b).all(), (shape, seed, part)
+        raw_weights, compressed_weights, denominator = got
+        # the first query of block 0 sees nothing: only the sink, which is then its peak
+        assert (raw_weights[:, 0, 0] == 0).all() and (denominator[:, 0, 0] == 1).all()
+        if compressed_weights is not None:
+            assert (compressed_weights[:, 0, 0] == 0).all()
+
+
+def test_one_thread_computes_the_same_bits_as_several():
+    args = inputs(SHAPES[0], 3)
+    several = band_softmax.band_softmax(*args, scale=0.05)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = band_softmax.band_softmax(*args, scale=0.05)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, several, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_layouts_the_kernel_cannot_read_are_refused():
+    q, raw, raw_allowed, sink, compressed, _ = inputs(SHAPES[3], 0)
+    with pytest.raises(RuntimeError, match="q's"):
+        band_softmax.band_softmax(q.transpose(2, 3), raw, raw_allowed, sink, scale=1.0)
+    with pytest.raises(RuntimeError, match="raw must be"):
+        band_softmax.band_softmax(q, raw[..., :-1], raw_allowed, sink, scale=1.0)
+    with pytest.raises(RuntimeError, match="compressed_allowed"):
+        band_softmax.band_softmax(q, raw, raw_allowed, sink, compressed, None, scale=1.0)
+    with pytest.raises(RuntimeError, match="fp32"):
+        band_softmax.band_softmax(q.bfloat16(), raw, raw_allowed, sink, scale=1.0)

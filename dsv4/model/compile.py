@@ -129,8 +129,8 @@ def eager_pieces(cfg: ModelConfig, experts: range) -> Pieces:
     constants = _constants(cfg)
     return Pieces(mix=functools.partial(mhc.mix, **constants),
                   attention_entry=functools.partial(attention.attention_entry, **constants),
-                  attend=functools.partial(attention.banded_sink_attention, scale=_scale(cfg)),
-                  attend_decodes=functools.partial(attention.decode_sink_attention, scale=_scale(cfg)),
+                  attend=functools.partial(attention.banded_sink_attention, scale=attention.softmax_scale(cfg)),
+                  attend_decodes=functools.partial(attention.decode_sink_attention, scale=attention.softmax_scale(cfg)),
                   attention_exit=attention.attention_exit, compressor_feed=compressor.feed,
                   index_queries=functools.partial(attention.index_queries, **_index_constants(cfg)),
                   moe=functools.partial(moe.grouped,
@@ -308,8 +308,8 @@ def _modules(cfg: ModelConfig, experts: range, decode_products: bool) -> dict[st
         "attention_entry": _Piece(attention.attention_entry, **constants, product=product),
         "attention_entry_some": _Piece(attention.attention_entry, **constants, product=ops.weight_first_linear),
         "attention_entry_many": _Piece(attention.attention_entry, **constants),
-        "attend_decodes": _Piece(attention.decode_sink_attention, scale=_scale(cfg)),
-        "attend_decodes_compressed": _Piece(attention.decode_sink_attention, scale=_scale(cfg)),
+        "attend_decodes": _Piece(attention.decode_sink_attention, scale=attention.softmax_scale(cfg)),
+        "attend_decodes_compressed": _Piece(attention.decode_sink_attention, scale=attention.softmax_scale(cfg)),
         "attention_exit": _Piece(attention.attention_exit, product=product),
         "attention_exit_some": _Piece(attention.attention_exit, product=ops.weight_first_linear),
         "attention_exit_many": _Piece(attention.attention_exit),
@@ -477,10 +477,6 @@ def _load_or_compile(package: Path, name: str, example: tuple[torch.Tensor, ...]
     return piece
 
 
-def _scale(cfg: ModelConfig) -> float:
-    return cfg.head_dim**-0.5
-
-
 def _constants(cfg: ModelConfig) -> dict:
     return {"n": cfg.hc_mult, "sinkhorn_iters": cfg.hc_sinkhorn_iters, "hc_eps": cfg.hc_eps,
             "norm_eps": cfg.rms_norm_eps}
@@ -495,7 +491,7 @@ def _key(cfg: ModelConfig, experts: range, examples: dict[str, tuple[torch.Tenso
     isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else torch.cuda.get_device_name(device)
     shapes = {name: [None if t is None else (tuple(t.shape), str(t.dtype)) for t in tensors]  # None: no shared expert
               for name, tensors in examples.items()}
-    facts = (torch.__version__, isa, device.type, sorted(_constants(cfg).items()), _scale(cfg),
+    facts = (torch.__version__, isa, device.type, sorted(_constants(cfg).items()), attention.softmax_scale(cfg),
              sorted(_index_constants(cfg).items()),
              sorted(moe.dispatch_constants(cfg, experts).items()), cfg.swiglu_limit, sorted(shapes.items()),
              decode_products)

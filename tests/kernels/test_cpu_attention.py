@@ -1,4 +1,4 @@
-"""The AVX512-BF16 band softmax kernel (dsv4/kernels/band_softmax.py) against the same weights in
+"""The AVX512-BF16 band softmax kernel (dsv4/kernels/cpu_attention.py) against the same weights in
 float64 torch ops, over a sweep of shapes: head dims and key counts off its 32- and 16-wide steps,
 blocks' bands as the model lays them out (overlapping views of one source), masks shared by the
 batch, rows that see nothing but the sink, one thread against several."""
@@ -6,9 +6,10 @@ batch, rows that see nothing but the sink, one thread against several."""
 import pytest
 import torch
 
-from dsv4.kernels import band_softmax
+from dsv4.kernels import cpu_attention
+from dsv4.model.attention import decode_sink_attention
 
-pytestmark = pytest.mark.skipif(not band_softmax.available(),
+pytestmark = pytest.mark.skipif(not cpu_attention.available(),
                                 reason="this CPU has no AVX512-BF16 (or no C compiler builds the kernel)")
 
 # (batch, blocks, queries a block, heads, band rows, compressed rows, head dim)
@@ -61,7 +62,7 @@ def test_band_softmax_equals_the_float64_weights(shape):
     scale = shape[-1] ** -0.5
     for seed in range(2):
         args = inputs(shape, seed)
-        got = band_softmax.band_softmax(*args, scale=scale)
+        got = cpu_attention.band_softmax(*args, scale=scale)
         want = expected(*args, scale)
         for part, (a, b) in enumerate(zip(got, want, strict=True)):
             assert (a is None) == (b is None)
@@ -80,11 +81,11 @@ def test_band_softmax_equals_the_float64_weights(shape):
 
 def test_one_thread_computes_the_same_bits_as_several():
     args = inputs(SHAPES[0], 3)
-    several = band_softmax.band_softmax(*args, scale=0.05)
+    several = cpu_attention.band_softmax(*args, scale=0.05)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one = band_softmax.band_softmax(*args, scale=0.05)
+        one = cpu_attention.band_softmax(*args, scale=0.05)
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(one, several, strict=True):
@@ -94,10 +95,66 @@ def test_one_thread_computes_the_same_bits_as_several():
 def test_layouts_the_kernel_cannot_read_are_refused():
     q, raw, raw_allowed, sink, compressed, _ = inputs(SHAPES[3], 0)
     with pytest.raises(RuntimeError, match="q's"):
-        band_softmax.band_softmax(q.transpose(2, 3), raw, raw_allowed, sink, scale=1.0)
+        cpu_attention.band_softmax(q.transpose(2, 3), raw, raw_allowed, sink, scale=1.0)
     with pytest.raises(RuntimeError, match="raw must be"):
-        band_softmax.band_softmax(q, raw[..., :-1], raw_allowed, sink, scale=1.0)
+        cpu_attention.band_softmax(q, raw[..., :-1], raw_allowed, sink, scale=1.0)
     with pytest.raises(RuntimeError, match="compressed_allowed"):
-        band_softmax.band_softmax(q, raw, raw_allowed, sink, compressed, None, scale=1.0)
+        cpu_attention.band_softmax(q, raw, raw_allowed, sink, compressed, None, scale=1.0)
     with pytest.raises(RuntimeError, match="fp32"):
-        band_softmax.band_softmax(q.bfloat16(), raw, raw_allowed, sink, scale=1.0)
+        cpu_attention.band_softmax(q.bfloat16(), raw, raw_allowed, sink, scale=1.0)
+
+
+# (tokens, heads, head dim, ring rows, compressed rows a token, slots, pages, rows a page)
+DECODE_SHAPES = [(2, 16, 512, 128, 64, 5, 40, 32), (3, 5, 70, 9, 0, 4, 0, 0), (1, 1, 2, 1, 1, 2, 3, 2),
+                 (4, 20, 64, 33, 17, 6, 30, 8), (32, 16, 512, 128, 64, 40, 300, 32)]
+
+
+def decode_inputs(shape, seed):
+    """Pools as strided views of wider buffers (other layers' bytes between rows), each token's ring
+    in its own slot, its compressed rows at distinct places; what it does not see holds NaN."""
+    tokens, heads, dim, window, count, slots, pages, page_rows = shape
+    g = torch.Generator().manual_seed(seed)
+    ring_pool = torch.randn(slots, window, 2, dim, generator=g).bfloat16().view(torch.uint8)[:, :, 0]
+    slot = torch.randperm(slots, generator=g)[:tokens]
+    at = torch.randint(0, 3 * window, (tokens,), generator=g)
+    at[0] = min(2, window - 1)  # a ring still filling: its rows past `at` were never written
+    ring_pool.view(torch.bfloat16)[slot[0], at[0] + 1 :] = float("nan")
+    q, sink = torch.randn(tokens, heads, dim, generator=g).bfloat16(), torch.randn(heads, generator=g)
+    compressed = ()
+    if count:
+        pool = torch.randn(pages, page_rows, 3, dim, generator=g).bfloat16().view(torch.uint8)[:, :, 1]
+        flat = torch.randperm(pages * page_rows, generator=g)[: tokens * count].view(tokens, count)
+        page, row = flat // page_rows, flat % page_rows
+        exists = torch.rand(tokens, count, generator=g) < 0.8
+        allowed = exists & (torch.rand(tokens, count, generator=g) < 0.7)
+        pool.view(torch.bfloat16)[page[~exists], row[~exists]] = float("nan")
+        compressed = (pool, page, row, exists, allowed)
+    return q, ring_pool, slot, at, sink, compressed
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
+def test_decode_attention_equals_the_models_torch_op(shape):
+    """Against decode_sink_attention over the gathered rows (itself tested against the reference):
+    the same sums in another order, so at most one bf16 rounding apart, and no NaN from rows not seen."""
+    scale = shape[2] ** -0.5
+    for seed in range(2):
+        q, ring_pool, slot, at, sink, compressed = decode_inputs(shape, seed)
+        got = cpu_attention.decode_attention(q, ring_pool, slot, at, sink, *compressed, scale=scale)
+        gathered = ()
+        if compressed:
+            pool, page, row, exists, allowed = compressed
+            gathered = (pool[page, row].view(torch.bfloat16), exists, allowed)
+        want = decode_sink_attention(q, ring_pool[slot].view(torch.bfloat16), at, sink, *gathered, scale=scale)
+        assert got.dtype == torch.bfloat16 and got.shape == q.shape and torch.isfinite(got).all()
+        # one bf16 rounding (8 significant bits), plus the fp32 sums' own error where a result cancels to ~0
+        bound = want.float().abs() * 2**-7 + 1e-5 * want.float().abs().amax(-1, keepdim=True)
+        assert ((got.float() - want.float()).abs() <= bound).all(), (shape, seed)
+        assert (got != want).float().mean() < 0.01, (shape, seed)
+
+
+def test_decode_attention_refuses_rows_it_cannot_read_in_place():
+    q, ring_pool, slot, at, sink, _ = decode_inputs(DECODE_SHAPES[1], 0)
+    with pytest.raises(RuntimeError, match="pools must be"):
+        cpu_attention.decode_attention(q, ring_pool.view(torch.bfloat16), slot, at, sink, scale=1.0)
+    with pytest.raises(RuntimeError, match="q must be"):
+        cpu_attention.decode_attention(q.float(), ring_pool, slot, at, sink, scale=1.0)

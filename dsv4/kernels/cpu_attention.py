@@ -1,0 +1,193 @@
+"""The CPU path's attention for bf16-valued operands, as C kernels on AVX512-BF16 (cpu/attention.c):
+the logits' products on the CPU's bf16 units, summed in fp32 (exact products: the same sums as fp32
+arithmetic, in another order), the softmaxes and value products in fp32.
+- `band_softmax`: the softmax weights of prefill chunks' query blocks over their bands and the
+  compressed rows (dsv4.model.attention.banded_sink_attention), a tile of rows at a time while it is
+  in cache;
+- `decode_attention`: the whole attention of decode tokens of a bf16 model over their rings and
+  compressed rows (dsv4.model.attention.decode_sink_attention).
+Their oracle is the model's torch code for the same math (its tests run both against dsv4.reference).
+
+The kernels are built with the system's C compiler once per machine into the cache (well under a
+second; logged), under a key of their source and flags. Where the CPU lacks AVX512-BF16 or no
+compiler builds them, `available()` is False and the model computes in torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from dsv4.config import cache_dir
+from dsv4.config.server_args import cpu_has_avx512_bf16
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu") / "attention.c"
+_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC", "-fopenmp")
+BUILD_TIMEOUT_S = 120
+
+
+def available() -> bool:
+    """Whether the kernels run here: the CPU has AVX512-BF16 and they are built (the first call builds
+    them, or loads them from the cache)."""
+    return _library() is not None
+
+
+def band_softmax(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor, sink: torch.Tensor,
+                 compressed: torch.Tensor | None = None, compressed_allowed: torch.Tensor | None = None, *,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """q [B, N, Q, H, D] over raw [B, N, K, D] (raw_allowed [B, N, Q, K] bool) and compressed [B, C, D]
+    (compressed_allowed [B, N, Q, C]), all fp32 holding bf16 values, sink [H] -> the unnormalised
+    softmax weights exp(logit - peak) [B, N, Q, H, K] and [B, N, Q, H, C] (None without compressed
+    rows), and each row's denominator [B, N, Q, H, 1] (the sink's term included), in fp32. A logit is
+    scale * q.k; masked keys weigh 0; a row's peak is its largest logit or the head's sink."""
+    batch, blocks, block, heads, dim = q.shape
+    keys = raw.shape[2]
+    count = 0 if compressed is None else compressed.shape[1]
+    _check(q, raw, raw_allowed, sink, compressed, compressed_allowed)
+    raw_weights = q.new_empty(batch, blocks, block, heads, keys)
+    compressed_weights = q.new_empty(batch, blocks, block, heads, count) if count else None
+    denominator = q.new_empty(batch, blocks, block, heads, 1)
+    raw_mask = raw_allowed.view(torch.uint8)
+    comp_mask = compressed_allowed.view(torch.uint8) if count else None
+    params = (batch, blocks, block, heads, keys, count, dim,
+              q.stride(0), q.stride(1), q.stride(3),
+              raw.stride(0), raw.stride(1), raw.stride(2),
+              raw_mask.stride(0), raw_mask.stride(1), raw_mask.stride(2),
+              *((compressed.stride(0), compressed.stride(1)) if count else (0, 0)),
+              *((comp_mask.stride(0), comp_mask.stride(1), comp_mask.stride(2)) if count else (0, 0, 0)))
+    sink = sink.float().contiguous()
+    status = _entry("band_softmax")(q.data_ptr(), raw.data_ptr(), raw_mask.data_ptr(), compressed.data_ptr() if count else None,
+                    comp_mask.data_ptr() if count else None, sink.data_ptr(), raw_weights.data_ptr(),
+                    compressed_weights.data_ptr() if count else None, denominator.data_ptr(),
+                    (ctypes.c_int64 * len(params))(*params), scale, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("band_softmax: the kernel could not allocate its scratch memory")
+    return raw_weights, compressed_weights, denominator
+
+
+def decode_attention(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor, at: torch.Tensor, sink: torch.Tensor,
+                     compressed_pool: torch.Tensor | None = None, pages: torch.Tensor | None = None,
+                     page_rows: torch.Tensor | None = None, exists: torch.Tensor | None = None,
+                     allowed: torch.Tensor | None = None, *, scale: float) -> torch.Tensor:
+    """Sink attention of decode tokens, one query each (q [B, H, D] bf16 at positions `at` [B]), over
+    their rings, read in place from the window pool (uint8 [slots, W, 2 * D]: bf16 rows; token b's
+    ring is slot slots[b], position p at row p % W, rows r <= at[b] seen), plus compressed rows read
+    in place from compressed_pool (uint8 [pages, rows, 2 * D]; token b's row c at pages[b, c],
+    page_rows[b, c], seen where `exists` and `allowed` [B, C]) -> [B, H, D] bf16: the softmax over
+    scale * q.k of the seen rows and the head's sink, times the rows (K = V). Rows not seen are never
+    read, whatever they hold."""
+    batch, heads, dim = q.shape
+    count = 0 if compressed_pool is None else pages.shape[1]
+    problems = []
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or dim % 2:
+        problems.append(f"q must be bf16 [B, H, D] on the CPU, D even (got {q.dtype} {tuple(q.shape)} on {q.device})")
+    pools = [window] + ([compressed_pool] if count else [])
+    if any(pool.dtype != torch.uint8 or pool.dim() != 3 or pool.shape[2] != 2 * dim or pool.stride(2) != 1 for pool in pools):
+        problems.append(f"the pools must be uint8 [.., .., {2 * dim}] views of bf16 rows")
+    if slots.shape != (batch,) or at.shape != (batch,) or sink.shape != (heads,):
+        problems.append(f"slots {tuple(slots.shape)}, at {tuple(at.shape)} and sink {tuple(sink.shape)} do not fit q")
+    if count and any(t is None or t.shape != (batch, count) for t in (page_rows, exists, allowed)):
+        problems.append("pages, page_rows, exists and allowed must all be [B, C]")
+    if problems:
+        raise RuntimeError("decode_attention: " + "; ".join(problems))
+    q, sink = q.contiguous(), sink.float().contiguous()
+    slots, at = (t.to(torch.int64).contiguous() for t in (slots, at))
+    comp = ()
+    if count:
+        pages, page_rows = (t.to(torch.int64).contiguous() for t in (pages, page_rows))
+        exists, allowed = (t.to(torch.bool).contiguous().view(torch.uint8) for t in (exists, allowed))
+        comp = (compressed_pool, pages, page_rows, exists, allowed)
+    out = torch.empty_like(q)
+    params = (batch, heads, dim, window.shape[1], count, window.stride(0), window.stride(1),
+              *((compressed_pool.stride(0), compressed_pool.stride(1)) if count else (0, 0)))
+    pointers = [t.data_ptr() for t in comp] if count else [None] * 5
+    status = _entry("decode_attention")(
+        q.data_ptr(), window.data_ptr(), slots.data_ptr(), at.data_ptr(), sink.data_ptr(), *pointers, out.data_ptr(),
+        (ctypes.c_int64 * len(params))(*params), scale, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("decode_attention: the kernel could not allocate its scratch memory")
+    return out
+
+
+def _check(q, raw, raw_allowed, sink, compressed, compressed_allowed) -> None:
+    """The layouts the kernel reads (strides in elements; every innermost one 1)."""
+    batch, blocks, block, heads, dim = q.shape
+    keys = raw.shape[2]
+    problems = []
+    if q.dtype != torch.float32 or raw.dtype != torch.float32:
+        problems.append(f"q and raw must be fp32 (got {q.dtype}, {raw.dtype})")
+    if q.device.type != "cpu":
+        problems.append(f"the kernel runs on CPU tensors (got {q.device})")
+    if q.stride(4) != 1 or q.stride(3) != dim or q.stride(2) != heads * dim:
+        problems.append(f"q's (query, head, dim) rows must be contiguous (strides {q.stride()})")
+    if raw.shape[:2] != (batch, blocks) or raw.shape[3] != dim or raw.stride(3) != 1:
+        problems.append(f"raw must be [B, N, K, {dim}] with contiguous rows (got {tuple(raw.shape)}, {raw.stride()})")
+    if raw_allowed.shape != (batch, blocks, block, keys) or raw_allowed.dtype != torch.bool or raw_allowed.stride(3) != 1:
+        problems.append(f"raw_allowed must be bool [B, N, Q, K] with contiguous rows (got {tuple(raw_allowed.shape)})")
+    if sink.shape != (heads,):
+        problems.append(f"sink must be [{heads}] (got {tuple(sink.shape)})")
+    if compressed is not None and compressed.shape[1]:
+        count = compressed.shape[1]
+        if compressed.dtype != torch.float32 or compressed.shape != (batch, count, dim) or compressed.stride(2) != 1:
+            problems.append(f"compressed must be fp32 [B, C, {dim}] with contiguous rows (got {tuple(compressed.shape)})")
+        if (compressed_allowed is None or compressed_allowed.shape != (batch, blocks, block, count)
+                or compressed_allowed.dtype != torch.bool or compressed_allowed.stride(3) != 1):
+            problems.append("compressed_allowed must be bool [B, N, Q, C] with contiguous rows")
+    if problems:
+        raise RuntimeError("band_softmax: " + "; ".join(problems))
+
+
+def _entry(name: str):
+    library = _library()
+    if library is None:
+        raise RuntimeError("the AVX512-BF16 attention kernels are not available on this machine")
+    return getattr(library, name)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built kernels, built (or found in the cache) on the first call; None where this CPU lacks
+    AVX512-BF16 or the build fails (logged)."""
+    if not cpu_has_avx512_bf16():
+        return None
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        log.warning("cpu_attention: no C compiler (gcc or cc) to build the AVX512-BF16 kernels; the attention "
+                    "runs in torch ops")
+        return None
+    key = hashlib.sha256(_SOURCE.read_bytes() + repr((_FLAGS, compiler)).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"cpu_attention-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.so")
+        started = time.monotonic()
+        try:
+            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(partial)], check=True, capture_output=True,
+                           timeout=BUILD_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = e.stderr.decode(errors="replace")[-2000:] if getattr(e, "stderr", None) else str(e)
+            log.warning("cpu_attention: building the AVX512-BF16 kernels failed; the attention runs in torch ops: %s",
+                        detail)
+            partial.unlink(missing_ok=True)
+            return None
+        os.replace(partial, path)  # whole or absent: a concurrent start never loads half a library
+        log.info("cpu_attention: built the AVX512-BF16 kernels in %.1f s (%s)", time.monotonic() - started, path)
+    library = ctypes.CDLL(str(path))  # (ctypes releases the GIL for each call)
+    library.band_softmax.argtypes = [ctypes.c_void_p] * 9 + [ctypes.POINTER(ctypes.c_int64), ctypes.c_float,
+                                                               ctypes.c_int]
+    library.decode_attention.argtypes = [ctypes.c_void_p] * 11 + [ctypes.POINTER(ctypes.c_int64), ctypes.c_float,
+                                                                    ctypes.c_int]
+    for entry in (library.band_softmax, library.decode_attention):
+        entry.restype = ctypes.c_int
+    return library

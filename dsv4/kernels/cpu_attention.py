@@ -1,11 +1,11 @@
-"""The CPU path's attention for bf16-valued operands, as C kernels on AVX512-BF16 (cpu/attention.c):
-the logits' products on the CPU's bf16 units, summed in fp32 (exact products: the same sums as fp32
-arithmetic, in another order), the softmaxes and value products in fp32.
+"""The CPU path's attention as C kernels on AVX512-BF16 (cpu/attention.c):
 - `band_softmax`: the softmax weights of prefill chunks' query blocks over their bands and the
-  compressed rows (dsv4.model.attention.banded_sink_attention), a tile of rows at a time while it is
-  in cache;
-- `decode_attention`: the whole attention of decode tokens of a bf16 model over their rings and
-  compressed rows (dsv4.model.attention.decode_sink_attention).
+  compressed rows (dsv4.model.attention.banded_sink_attention) for bf16-valued operands: the logits'
+  products on the CPU's bf16 units, summed in fp32 (exact products: the same sums as fp32
+  arithmetic, in another order), a tile of rows at a time while it is in cache;
+- `decode_attention`: the whole attention of decode tokens over their rings and compressed rows
+  where they lie in the pools (dsv4.model.attention.decode_sink_attention), in bf16 (logits as bf16
+  pair products) or fp32 (FMAs); softmax and value products in fp32.
 Their oracle is the model's torch code for the same math (its tests run both against dsv4.reference).
 
 The kernels are built with the system's C compiler once per machine into the cache (well under a
@@ -80,21 +80,24 @@ def decode_attention(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
                      compressed_pool: torch.Tensor | None = None, pages: torch.Tensor | None = None,
                      page_rows: torch.Tensor | None = None, exists: torch.Tensor | None = None,
                      allowed: torch.Tensor | None = None, *, scale: float) -> torch.Tensor:
-    """Sink attention of decode tokens, one query each (q [B, H, D] bf16 at positions `at` [B]), over
-    their rings, read in place from the window pool (uint8 [slots, W, 2 * D]: bf16 rows; token b's
-    ring is slot slots[b], position p at row p % W, rows r <= at[b] seen), plus compressed rows read
-    in place from compressed_pool (uint8 [pages, rows, 2 * D]; token b's row c at pages[b, c],
-    page_rows[b, c], seen where `exists` and `allowed` [B, C]) -> [B, H, D] bf16: the softmax over
-    scale * q.k of the seen rows and the head's sink, times the rows (K = V). Rows not seen are never
-    read, whatever they hold."""
+    """Sink attention of decode tokens, one query each (q [B, H, D] bf16 or fp32, at positions `at`
+    [B]), over their rings, read in place from the window pool (uint8 [slots, W, D * q's element size]:
+    rows of q's dtype; token b's ring is slot slots[b], position p at row p % W, rows r <= at[b]
+    seen), plus compressed rows read in place from compressed_pool (uint8 [pages, rows, same]; token
+    b's row c at pages[b, c], page_rows[b, c], seen where `exists` and `allowed` [B, C]) -> [B, H, D]
+    in q's dtype: the softmax over scale * q.k of the seen rows and the head's sink, times the rows
+    (K = V). Rows not seen are never read, whatever they hold."""
     batch, heads, dim = q.shape
     count = 0 if compressed_pool is None else pages.shape[1]
     problems = []
-    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or dim % 2:
-        problems.append(f"q must be bf16 [B, H, D] on the CPU, D even (got {q.dtype} {tuple(q.shape)} on {q.device})")
+    if q.dtype not in (torch.bfloat16, torch.float32) or q.device.type != "cpu" or dim % 2:
+        problems.append(f"q must be bf16 or fp32 [B, H, D] on the CPU, D even (got {q.dtype} {tuple(q.shape)} on "
+                        f"{q.device})")
     pools = [window] + ([compressed_pool] if count else [])
-    if any(pool.dtype != torch.uint8 or pool.dim() != 3 or pool.shape[2] != 2 * dim or pool.stride(2) != 1 for pool in pools):
-        problems.append(f"the pools must be uint8 [.., .., {2 * dim}] views of bf16 rows")
+    row_bytes = dim * q.element_size()
+    if any(pool.dtype != torch.uint8 or pool.dim() != 3 or pool.shape[2] != row_bytes or pool.stride(2) != 1
+           for pool in pools):
+        problems.append(f"the pools must be uint8 [.., .., {row_bytes}] views of rows of q's dtype")
     if slots.shape != (batch,) or at.shape != (batch,) or sink.shape != (heads,):
         problems.append(f"slots {tuple(slots.shape)}, at {tuple(at.shape)} and sink {tuple(sink.shape)} do not fit q")
     if count and any(t is None or t.shape != (batch, count) for t in (page_rows, exists, allowed)):
@@ -109,7 +112,7 @@ def decode_attention(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
         exists, allowed = (t.to(torch.bool).contiguous().view(torch.uint8) for t in (exists, allowed))
         comp = (compressed_pool, pages, page_rows, exists, allowed)
     out = torch.empty_like(q)
-    params = (batch, heads, dim, window.shape[1], count, window.stride(0), window.stride(1),
+    params = (batch, heads, dim, window.shape[1], count, int(q.dtype == torch.float32), window.stride(0), window.stride(1),
               *((compressed_pool.stride(0), compressed_pool.stride(1)) if count else (0, 0)))
     pointers = [t.data_ptr() for t in comp] if count else [None] * 5
     status = _entry("decode_attention")(

@@ -94,14 +94,16 @@ class PagedAttention:
         self.rest_start, self.rest_widths = sum(part.shape[0] for part in inputs[:2]), [part.shape[0] for part in inputs[2:]]
         # (`project_inputs`' weights, in its order)
         self.input_weights = (torch.cat(inputs), self.q_norm, self.wq_b, self.kv_norm)
-        # A bf16 model on the CPU: its prefill logits on the CPU's bf16 units (`bf16_logits`; its queries and
-        # rows hold bf16 values), and where it stores its rows as bf16, its decode tokens' attention as the
-        # AVX512-BF16 kernel that reads them in place (dsv4/kernels/cpu_attention.py): at 32 decodes of
-        # `small`, 1.2 ms a layer against 6.4..7.3 for the gather and the eager attention.
-        bf16_on_cpu = pools.device.type == "cpu" and not kernels and self.wq_b.dtype == torch.bfloat16
-        self.exact_bf16 = (bf16_on_cpu and pools.main_format in _BF16_VALUED_ROW_FORMATS
+        # On the CPU: a bf16 model's prefill logits on the CPU's bf16 units (`bf16_logits`; its queries and
+        # rows hold bf16 values); a model that stores its rows in its own dtype (bf16 or fp32), its decode
+        # tokens' attention as the AVX512-BF16 CPU's kernel that reads them in place
+        # (dsv4/kernels/cpu_attention.py): at 32 decodes of `small` in bf16, 1.2 ms a layer against
+        # 6.4..7.3 for the gather and the eager attention (in a step, 40.6 against 53.0 ms; fp32 72 against 80).
+        on_cpu, dtype = pools.device.type == "cpu" and not kernels, self.wq_b.dtype
+        self.exact_bf16 = (on_cpu and dtype == torch.bfloat16 and pools.main_format in _BF16_VALUED_ROW_FORMATS
                            and bf16_logits() is not None)
-        self.decode_kernel = bf16_on_cpu and pools.main_format == "bf16" and cpu_attention.available()
+        self.decode_kernel = (on_cpu and _PLAIN_ROW_DTYPES.get(pools.main_format) == dtype
+                              and dtype in (torch.bfloat16, torch.float32) and cpu_attention.available())
         self.scale = softmax_scale(cfg)
 
     def __call__(self, inputs: AttentionInputs, plan: BatchPlan, rope: Rope, on_selection: SelectionSink | None,
@@ -215,7 +217,9 @@ class PagedAttention:
         put_rows(pool, (slots, at % window), group.rows(raw_rows)[:, 0])
         queries = group.rows(q)[:, 0]  # [B, H, D]
         seen = self._compressed_seen(group, picks)
-        if self.decode_kernel:  # the rows read where they lie
+        # The kernel's threads split the tokens: with fewer tokens than threads the compiled attention,
+        # which splits its passes, was as fast (one request, fp32: 126 against 173 us a layer; bf16 even)
+        if self.decode_kernel and group.batch >= torch.get_num_threads():  # the rows read where they lie
             compressed = () if seen is None else (self.pools.compressed_rows(self.layer), seen[0].pages,
                                                   seen[0].page_rows, seen[0].exists, seen[1][:, 0])
             return cpu_attention.decode_attention(queries, pool, slots, at, self.sink, *compressed, scale=self.scale)

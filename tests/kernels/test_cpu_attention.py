@@ -109,52 +109,58 @@ DECODE_SHAPES = [(2, 16, 512, 128, 64, 5, 40, 32), (3, 5, 70, 9, 0, 4, 0, 0), (1
                  (4, 20, 64, 33, 17, 6, 30, 8), (32, 16, 512, 128, 64, 40, 300, 32)]
 
 
-def decode_inputs(shape, seed):
+def decode_inputs(shape, seed, dtype=torch.bfloat16):
     """Pools as strided views of wider buffers (other layers' bytes between rows), each token's ring
     in its own slot, its compressed rows at distinct places; what it does not see holds NaN."""
     tokens, heads, dim, window, count, slots, pages, page_rows = shape
     g = torch.Generator().manual_seed(seed)
-    ring_pool = torch.randn(slots, window, 2, dim, generator=g).bfloat16().view(torch.uint8)[:, :, 0]
+    ring_pool = torch.randn(slots, window, 2, dim, generator=g).to(dtype).view(torch.uint8)[:, :, 0]
     slot = torch.randperm(slots, generator=g)[:tokens]
     at = torch.randint(0, 3 * window, (tokens,), generator=g)
     at[0] = min(2, window - 1)  # a ring still filling: its rows past `at` were never written
-    ring_pool.view(torch.bfloat16)[slot[0], at[0] + 1 :] = float("nan")
-    q, sink = torch.randn(tokens, heads, dim, generator=g).bfloat16(), torch.randn(heads, generator=g)
+    ring_pool.view(dtype)[slot[0], at[0] + 1 :] = float("nan")
+    q, sink = torch.randn(tokens, heads, dim, generator=g).to(dtype), torch.randn(heads, generator=g)
     compressed = ()
     if count:
-        pool = torch.randn(pages, page_rows, 3, dim, generator=g).bfloat16().view(torch.uint8)[:, :, 1]
+        pool = torch.randn(pages, page_rows, 3, dim, generator=g).to(dtype).view(torch.uint8)[:, :, 1]
         flat = torch.randperm(pages * page_rows, generator=g)[: tokens * count].view(tokens, count)
         page, row = flat // page_rows, flat % page_rows
         exists = torch.rand(tokens, count, generator=g) < 0.8
         allowed = exists & (torch.rand(tokens, count, generator=g) < 0.7)
-        pool.view(torch.bfloat16)[page[~exists], row[~exists]] = float("nan")
+        pool.view(dtype)[page[~exists], row[~exists]] = float("nan")
         compressed = (pool, page, row, exists, allowed)
     return q, ring_pool, slot, at, sink, compressed
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
-def test_decode_attention_equals_the_models_torch_op(shape):
+def test_decode_attention_equals_the_models_torch_op(shape, dtype):
     """Against decode_sink_attention over the gathered rows (itself tested against the reference):
-    the same sums in another order, so at most one bf16 rounding apart, and no NaN from rows not seen."""
+    the same sums in another order, so in bf16 at most one rounding apart, and no NaN from rows not
+    seen."""
     scale = shape[2] ** -0.5
     for seed in range(2):
-        q, ring_pool, slot, at, sink, compressed = decode_inputs(shape, seed)
+        q, ring_pool, slot, at, sink, compressed = decode_inputs(shape, seed, dtype)
         got = cpu_attention.decode_attention(q, ring_pool, slot, at, sink, *compressed, scale=scale)
         gathered = ()
         if compressed:
             pool, page, row, exists, allowed = compressed
-            gathered = (pool[page, row].view(torch.bfloat16), exists, allowed)
-        want = decode_sink_attention(q, ring_pool[slot].view(torch.bfloat16), at, sink, *gathered, scale=scale)
-        assert got.dtype == torch.bfloat16 and got.shape == q.shape and torch.isfinite(got).all()
-        # one bf16 rounding (8 significant bits), plus the fp32 sums' own error where a result cancels to ~0
-        bound = want.float().abs() * 2**-7 + 1e-5 * want.float().abs().amax(-1, keepdim=True)
+            gathered = (pool[page, row].view(dtype), exists, allowed)
+        want = decode_sink_attention(q, ring_pool[slot].view(dtype), at, sink, *gathered, scale=scale)
+        assert got.dtype == dtype and got.shape == q.shape and torch.isfinite(got).all()
+        # the fp32 sums' own error where a result cancels to ~0, plus in bf16 one rounding (8 significant bits)
+        rounding = 2**-7 if dtype == torch.bfloat16 else 1e-5
+        bound = want.float().abs() * rounding + 1e-5 * want.float().abs().amax(-1, keepdim=True)
         assert ((got.float() - want.float()).abs() <= bound).all(), (shape, seed)
-        assert (got != want).float().mean() < 0.01, (shape, seed)
+        if dtype == torch.bfloat16:
+            assert (got != want).float().mean() < 0.01, (shape, seed)
 
 
 def test_decode_attention_refuses_rows_it_cannot_read_in_place():
     q, ring_pool, slot, at, sink, _ = decode_inputs(DECODE_SHAPES[1], 0)
     with pytest.raises(RuntimeError, match="pools must be"):
         cpu_attention.decode_attention(q, ring_pool.view(torch.bfloat16), slot, at, sink, scale=1.0)
-    with pytest.raises(RuntimeError, match="q must be"):
+    with pytest.raises(RuntimeError, match="pools must be"):  # fp32 queries over bf16 rows
         cpu_attention.decode_attention(q.float(), ring_pool, slot, at, sink, scale=1.0)
+    with pytest.raises(RuntimeError, match="q must be"):
+        cpu_attention.decode_attention(q.half(), ring_pool, slot, at, sink, scale=1.0)

@@ -1,7 +1,7 @@
-/* The CPU path's attention on AVX512-BF16 (dsv4/kernels/cpu_attention.py), for operands that hold
- * bf16 values, so that every product q[d] * k[d] is exact in fp32: the dot products run as vdpbf16ps
- * (pairs of bf16 products summed into fp32 lanes), the same sums as fp32 arithmetic in another
- * order, at twice the fp32 rate of this CPU's FMA units. Softmaxes and value products are fp32.
+/* The CPU path's attention on AVX512-BF16 (dsv4/kernels/cpu_attention.py). Where the operands hold
+ * bf16 values, every product q[d] * k[d] is exact in fp32: those dot products run as vdpbf16ps (pairs
+ * of bf16 products summed into fp32 lanes), the same sums as fp32 arithmetic in another order, at
+ * twice the fp32 rate of this CPU's FMA units. Softmaxes and value products are fp32.
  *
  * band_softmax: the softmax weights of prefill chunks' query blocks over their bands of raw rows and
  * the compressed rows (the value products stay torch's matmuls). Each block's keys are converted once
@@ -11,10 +11,11 @@
  * cache, one pass instead of torch's half-dozen over the logits.
  *
  * decode_attention: the whole attention of decode tokens, one query each, over their rings and
- * compressed rows, read where they lie in the pools: the 16 heads of a query pair-interleaved in one register per pair of dims, each
- * key's pairs broadcast against them (a key's logits for 16 heads in one register, no horizontal
- * sums), the softmax over the keys a token may see (the others are never read: rows that do not
- * exist may hold anything), and the value products in fp32 from the bf16 rows.
+ * compressed rows, read where they lie in the pools; bf16 or fp32 (then the logits are FMAs): the 16
+ * heads of a query interleaved in one register per pair of dims (per dim in fp32), each key's pairs
+ * broadcast against them (a key's logits for 16 heads in one register, no horizontal sums), the
+ * softmax over the keys a token may see (the others are never read: rows that do not exist may hold
+ * anything), and the value products in fp32.
  *
  * The work is split over OpenMP threads: loaded into a process that runs torch, the library shares
  * torch's libgomp (the same soname) and so its thread team; threads of its own would compete for the
@@ -227,44 +228,62 @@ int band_softmax(const float *q, const float *raw, const uint8_t *raw_allowed, c
 
 /* ---- decode_attention ---------------------------------------------------------------------------- */
 
-/* p[]: the shapes, then the pools' strides in bytes (q and out are contiguous [B][H][D]). */
-enum { D_B, D_H, D_D, D_W, D_C, D_SLOT, D_RING_ROW, D_PAGE, D_PAGE_ROW, D_COUNT };
+/* p[]: the shapes, whether the tensors are fp32 (else bf16), then the pools' strides in bytes (q and out
+ * are contiguous [B][H][D]). */
+enum { D_B, D_H, D_D, D_W, D_C, D_FP32, D_SLOT, D_RING_ROW, D_PAGE, D_PAGE_ROW, D_COUNT };
 
-/* One token: q [H][D] (bf16 bits) over the keys `seen[0 .. count)` (pointers to bf16 rows of D) ->
- * out [H][D] (bf16 bits). `logits` (scratch, count * 16) holds one register of 16 heads' logits, then
- * weights, per key; `packed` (scratch, D / 2 * 16) a head group's query. */
-static void decode_one(const uint16_t *q, const uint16_t **seen, int64_t count, const float *sink, uint16_t *out,
-                       const int64_t *p, float scale, float *logits, uint32_t *packed) {
-  const int64_t H = p[D_H], D = p[D_D], pairs = D / 2;
+/* 16 elements of a row from `at` (first `n` of them) as fp32. */
+static inline __m512 load16(const void *at, int64_t n, const int fp32) {
+  const __mmask16 m = first_lanes(n > 0 ? n : 0);
+  if (fp32) return _mm512_maskz_loadu_ps(m, at);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, at)), 16));
+}
+
+/* One token: q [H][D] over the keys `seen[0 .. count)` (pointers to rows of D) -> out [H][D], all bf16
+ * bits or (`fp32`) fp32. `logits` (scratch, count * 16) holds one register of 16 heads' logits, then
+ * weights, per key; `packed` (scratch, D * 16 words) a head group's query, one register of its heads
+ * per pair of dims (bf16: products exact in fp32, vdpbf16ps) or per dim (fp32: FMAs). Inlined into one
+ * copy per element type. */
+static inline __attribute__((always_inline)) void decode_token(const void *q, const void **seen, int64_t count,
+                                                                const float *sink, void *out, const int64_t *p,
+                                                                float scale, float *logits, uint32_t *packed,
+                                                                const int fp32) {
+  const int64_t H = p[D_H], D = p[D_D], size = fp32 ? 4 : 2, steps = fp32 ? D : D / 2; /* words a row */
   int64_t k;
   for (int64_t h0 = 0; h0 < H; h0 += 16) {
     const int64_t heads = H - h0 < 16 ? H - h0 : 16;
     const __mmask16 lanes = first_lanes(heads);
     const __m512i at_head = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32((int)pairs));
-    const uint32_t *q_pairs = (const uint32_t *)(q + h0 * D);
-    for (int64_t d = 0; d < pairs; d++)
+                                               _mm512_set1_epi32((int)steps));
+    const uint32_t *q_words = (const uint32_t *)((const char *)q + h0 * D * size);
+    for (int64_t d = 0; d < steps; d++)
       _mm512_store_si512((void *)(packed + d * 16), _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, at_head,
-                                                                                 (const void *)(q_pairs + d), 4));
-    /* logits: 8 keys at a time, each key's pairs broadcast against the heads' */
+                                                                                 (const void *)(q_words + d), 4));
+    /* logits: 8 keys at a time, each key's words broadcast against the heads' */
     for (k = 0; k + 8 <= count; k += 8) {
       __m512 acc[8];
       const uint32_t *key[8];
       for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps(), key[i] = (const uint32_t *)seen[k + i];
-      for (int64_t d = 0; d < pairs; d++) {
-        const __m512bh heads_pair = (__m512bh)_mm512_load_si512((const void *)(packed + d * 16));
+      for (int64_t d = 0; d < steps; d++) {
+        const __m512i heads_word = _mm512_load_si512((const void *)(packed + d * 16));
 #pragma GCC unroll 8
-        for (int i = 0; i < 8; i++)
-          acc[i] = _mm512_dpbf16_ps(acc[i], heads_pair, (__m512bh)_mm512_set1_epi32((int)key[i][d]));
+        for (int i = 0; i < 8; i++) {
+          const __m512i word = _mm512_set1_epi32((int)key[i][d]);
+          acc[i] = fp32 ? _mm512_fmadd_ps(_mm512_castsi512_ps(heads_word), _mm512_castsi512_ps(word), acc[i])
+                        : _mm512_dpbf16_ps(acc[i], (__m512bh)heads_word, (__m512bh)word);
+        }
       }
       for (int i = 0; i < 8; i++) _mm512_store_ps(logits + (k + i) * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
     }
     for (; k < count; k++) {
       __m512 acc = _mm512_setzero_ps();
       const uint32_t *key = (const uint32_t *)seen[k];
-      for (int64_t d = 0; d < pairs; d++)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_load_si512((const void *)(packed + d * 16)),
-                               (__m512bh)_mm512_set1_epi32((int)key[d]));
+      for (int64_t d = 0; d < steps; d++) {
+        const __m512i heads_word = _mm512_load_si512((const void *)(packed + d * 16));
+        const __m512i word = _mm512_set1_epi32((int)key[d]);
+        acc = fp32 ? _mm512_fmadd_ps(_mm512_castsi512_ps(heads_word), _mm512_castsi512_ps(word), acc)
+                   : _mm512_dpbf16_ps(acc, (__m512bh)heads_word, (__m512bh)word);
+      }
       _mm512_store_ps(logits + k * 16, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
     }
     /* the softmax over the seen keys and the sink, per head (lane) */
@@ -279,7 +298,7 @@ static void decode_one(const uint16_t *q, const uint16_t **seen, int64_t count, 
     }
     float inverse[16];
     _mm512_storeu_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), denominator));
-    /* value products: 4 heads x 64 dims in 16 registers over the keys */
+    /* value products in fp32: 4 heads x 64 dims in 16 registers over the keys */
     for (int64_t h = 0; h < heads; h += 4) {
       const int64_t hs = heads - h < 4 ? heads - h : 4;
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
@@ -288,13 +307,9 @@ static void decode_one(const uint16_t *q, const uint16_t **seen, int64_t count, 
           for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
         const int64_t left = D - d0;
         for (k = 0; k < count; k++) {
-          const uint16_t *v = seen[k] + d0;
+          const char *v = (const char *)seen[k] + d0 * size;
           __m512 values[4];
-          for (int j = 0; j < 4; j++) {
-            const __mmask16 m = first_lanes(left - 16 * j > 0 ? left - 16 * j : 0);
-            values[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, v + 16 * j)), 16));
-          }
+          for (int j = 0; j < 4; j++) values[j] = load16(v + 16 * j * size, left - 16 * j, fp32);
           const float *weights = logits + k * 16 + h;
 #pragma GCC unroll 4
           for (int i = 0; i < 4; i++) {
@@ -305,30 +320,43 @@ static void decode_one(const uint16_t *q, const uint16_t **seen, int64_t count, 
         for (int i = 0; i < hs; i++)
           for (int j = 0; j < 4 && 16 * j < left; j++) {
             const __m512 result = _mm512_mul_ps(acc[i][j], _mm512_set1_ps(inverse[h + i]));
-            _mm256_mask_storeu_epi16(out + (h0 + h + i) * D + d0 + 16 * j, first_lanes(left - 16 * j),
-                                     (__m256i)_mm512_cvtneps_pbh(result));
+            const int64_t at = (h0 + h + i) * D + d0 + 16 * j;
+            if (fp32) _mm512_mask_storeu_ps((float *)out + at, first_lanes(left - 16 * j), result);
+            else _mm256_mask_storeu_epi16((uint16_t *)out + at, first_lanes(left - 16 * j), (__m256i)_mm512_cvtneps_pbh(result));
           }
       }
     }
   }
 }
 
-/* q [B][H][D] (bf16 bits), each token's ring in the window pool (slot slots[b]; position p at row
- * p % W, rows r <= at[b] seen) and its compressed rows in the compressed pool (row c at page
- * pages[b][c], row page_rows[b][c]; seen where exists and allowed [B][C]), the pools' rows bf16 bits
- * of D; sink [H] fp32 -> out [B][H][D] bf16 bits. comp_pool NULL when C == 0. Returns 0, or -1 where
+static void decode_token_bf16(const void *q, const void **seen, int64_t count, const float *sink, void *out,
+                              const int64_t *p, float scale, float *logits, uint32_t *packed) {
+  decode_token(q, seen, count, sink, out, p, scale, logits, packed, 0);
+}
+
+static void decode_token_fp32(const void *q, const void **seen, int64_t count, const float *sink, void *out,
+                              const int64_t *p, float scale, float *logits, uint32_t *packed) {
+  decode_token(q, seen, count, sink, out, p, scale, logits, packed, 1);
+}
+
+/* q [B][H][D], each token's ring in the window pool (slot slots[b]; position p at row p % W, rows
+ * r <= at[b] seen) and its compressed rows in the compressed pool (row c at page pages[b][c], row
+ * page_rows[b][c]; seen where exists and allowed [B][C]), the pools' rows of D like q (bf16 bits or
+ * fp32); sink [H] fp32 -> out [B][H][D] like q. comp_pool NULL when C == 0. Returns 0, or -1 where
  * scratch memory could not be had. */
-int decode_attention(const uint16_t *q, const uint8_t *window, const int64_t *slots, const int64_t *at,
+int decode_attention(const void *q, const uint8_t *window, const int64_t *slots, const int64_t *at,
                      const float *sink, const uint8_t *comp_pool, const int64_t *pages, const int64_t *page_rows,
-                     const uint8_t *exists, const uint8_t *allowed, uint16_t *out, const int64_t *p, float scale,
+                     const uint8_t *exists, const uint8_t *allowed, void *out, const int64_t *p, float scale,
                      int threads) {
-  const int64_t B = p[D_B], H = p[D_H], D = p[D_D], W = p[D_W], C = p[D_C];
+  const int64_t B = p[D_B], H = p[D_H], D = p[D_D], W = p[D_W], C = p[D_C], size = p[D_FP32] ? 4 : 2;
+  void (*token)(const void *, const void **, int64_t, const float *, void *, const int64_t *, float, float *,
+                uint32_t *) = p[D_FP32] ? decode_token_fp32 : decode_token_bf16;
   int failed = 0;
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads) reduction(| : failed)
   {
-    const uint16_t **seen = malloc((size_t)(W + C) * sizeof *seen);
+    const void **seen = malloc((size_t)(W + C) * sizeof *seen);
     float *logits = aligned_alloc(64, (size_t)((W + C) * 16 * 4 + 64));
-    uint32_t *packed = aligned_alloc(64, (size_t)(round_up(D / 2, 4) * 64));
+    uint32_t *packed = aligned_alloc(64, (size_t)(D * 64));
     const int ready = seen && logits && packed;
 #pragma omp for schedule(static) /* (every thread takes part: a work-sharing loop waits for them all) */
     for (int64_t b = 0; b < B; b++) {
@@ -337,12 +365,11 @@ int decode_attention(const uint16_t *q, const uint8_t *window, const int64_t *sl
         continue;
       }
       int64_t count = 0;
-      for (int64_t r = 0; r < W && r <= at[b]; r++)
-        seen[count++] = (const uint16_t *)(window + slots[b] * p[D_SLOT] + r * p[D_RING_ROW]);
+      for (int64_t r = 0; r < W && r <= at[b]; r++) seen[count++] = window + slots[b] * p[D_SLOT] + r * p[D_RING_ROW];
       for (int64_t c = b * C; c < (b + 1) * C; c++)
-        if (exists[c] && allowed[c])
-          seen[count++] = (const uint16_t *)(comp_pool + pages[c] * p[D_PAGE] + page_rows[c] * p[D_PAGE_ROW]);
-      decode_one(q + b * H * D, seen, count, sink, out + b * H * D, p, scale, logits, packed);
+        if (exists[c] && allowed[c]) seen[count++] = comp_pool + pages[c] * p[D_PAGE] + page_rows[c] * p[D_PAGE_ROW];
+      token((const char *)q + b * H * D * size, seen, count, sink, (char *)out + b * H * D * size, p, scale, logits,
+            packed);
     }
     free(seen), free(logits), free(packed);
   }

@@ -185,8 +185,9 @@ def _library() -> ctypes.CDLL | None:
             partial.unlink(missing_ok=True)
             return None
         os.replace(partial, path)  # whole or absent: a concurrent start never loads half a library
-        log.info("cpu_attention: built the AVX512-BF16 kernels in %.1f s (%s)", time.monotonic() - started, path)
+        log.info("cpu_attention: built the AVX512-BF16 kernels in %.1f s", time.monotonic() - started)
     library = ctypes.CDLL(str(path))  # (ctypes releases the GIL for each call)
+    log.info("cpu_attention: the attention's AVX512-BF16 kernels are loaded (%s)", path)
     library.band_softmax.argtypes = [ctypes.c_void_p] * 9 + [ctypes.POINTER(ctypes.c_int64), ctypes.c_float,
                                                                ctypes.c_int]
     library.decode_attention.argtypes = [ctypes.c_void_p] * 11 + [ctypes.POINTER(ctypes.c_int64), ctypes.c_float,

@@ -14,7 +14,9 @@ raw rows and the rows this chunk just compressed included, exactly as the refere
 
 With `kernels` (on CUDA), the indexer's selection, the attention and the compressors' inserts run
 as the dispatcher's ops (`dsv4.kernels.dispatch`: Triton on CUDA tensors) over the whole batch,
-reading the pools directly; the torch code above is the CPU path.
+reading the pools directly; the torch code above is the CPU path, where on a CPU with AVX512-BF16
+a bf16 model's prefill logits and softmax, and the attention of decode tokens (one or more a thread),
+run as C kernels (dsv4/kernels/cpu_attention.py).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ raw rows and the rows this chunk just compressed included, exactly as the refere
 With `kernels` (on CUDA), the indexer's selection, the attention and the compressors' inserts run
 as the dispatcher's ops (`dsv4.kernels.dispatch`: Triton on CUDA tensors) over the whole batch,
 reading the pools directly; the torch code above is the CPU path, where on a CPU with AVX512-BF16
-a bf16 model's prefill logits and softmax, and the attention of decode tokens (one or more a thread),
-run as C kernels (dsv4/kernels/cpu_attention.py).
+a bf16 model's prefill logits and softmax, and the attention of decode tokens, run as C kernels
+(dsv4/kernels/cpu_attention.py).
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ class PagedAttention:
         # rows hold bf16 values); a model that stores its rows in its own dtype (bf16 or fp32), its decode
         # tokens' attention as the AVX512-BF16 CPU's kernel that reads them in place
         # (dsv4/kernels/cpu_attention.py): at 32 decodes of `small` in bf16, 1.2 ms a layer against
-        # 6.4..7.3 for the gather and the eager attention (in a step, 40.6 against 53.0 ms; fp32 72 against 80).
+        # 6.4..7.3 for the gather and the eager attention; in a step against the compiled attention, 32
+        # decodes: bf16 40.6 against 53.0 ms, fp32 72 against 80; one: bf16 8.2 against 9.8, fp32 7.8 against 8.9.
         on_cpu, dtype = pools.device.type == "cpu" and not kernels, self.wq_b.dtype
         self.exact_bf16 = (on_cpu and dtype == torch.bfloat16 and pools.main_format in _BF16_VALUED_ROW_FORMATS
                            and bf16_logits() is not None)
@@ -219,9 +220,7 @@ class PagedAttention:
         put_rows(pool, (slots, at % window), group.rows(raw_rows)[:, 0])
         queries = group.rows(q)[:, 0]  # [B, H, D]
         seen = self._compressed_seen(group, picks)
-        # The kernel's threads split the tokens: with fewer tokens than threads the compiled attention,
-        # which splits its passes, was as fast (one request, fp32: 126 against 173 us a layer; bf16 even)
-        if self.decode_kernel and group.batch >= torch.get_num_threads():  # the rows read where they lie
+        if self.decode_kernel:  # the rows read where they lie
             compressed = () if seen is None else (self.pools.compressed_rows(self.layer), seen[0].pages,
                                                   seen[0].page_rows, seen[0].exists, seen[1][:, 0])
             return cpu_attention.decode_attention(queries, pool, slots, at, self.sink, *compressed, scale=self.scale)

@@ -156,6 +156,23 @@ def test_decode_attention_equals_the_models_torch_op(shape, dtype):
             assert (got != want).float().mean() < 0.01, (shape, seed)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tokens_on_the_whole_team_equal_tokens_on_one_thread_each(dtype):
+    """Fewer tokens than threads: the team shares each token (key ranges, then value chunks); the
+    same results as one thread, but for the order of the denominators' fp32 sums."""
+    shape = DECODE_SHAPES[0]
+    q, ring_pool, slot, at, sink, compressed = decode_inputs(shape, 5, dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 3))  # (a team, whatever this machine's count)
+    try:
+        team = cpu_attention.decode_attention(q, ring_pool, slot, at, sink, *compressed, scale=0.05)
+        torch.set_num_threads(1)
+        alone = cpu_attention.decode_attention(q, ring_pool, slot, at, sink, *compressed, scale=0.05)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(team.float(), alone.float(), rtol=2**-7 if dtype == torch.bfloat16 else 1e-6, atol=0)
+
+
 def test_decode_attention_refuses_rows_it_cannot_read_in_place():
     q, ring_pool, slot, at, sink, _ = decode_inputs(DECODE_SHAPES[1], 0)
     with pytest.raises(RuntimeError, match="pools must be"):

@@ -15,7 +15,8 @@
  * heads of a query interleaved in one register per pair of dims (per dim in fp32), each key's pairs
  * broadcast against them (a key's logits for 16 heads in one register, no horizontal sums), the
  * softmax over the keys a token may see (the others are never read: rows that do not exist may hold
- * anything), and the value products in fp32.
+ * anything), and the value products in fp32. Each thread takes whole tokens; with fewer tokens than
+ * threads, the team shares each token instead (key ranges, then every n-th chunk of dims).
  *
  * The work is split over OpenMP threads: loaded into a process that runs torch, the library shares
  * torch's libgomp (the same soname) and so its thread team; threads of its own would compete for the
@@ -232,146 +233,215 @@ int band_softmax(const float *q, const float *raw, const uint8_t *raw_allowed, c
  * are contiguous [B][H][D]). */
 enum { D_B, D_H, D_D, D_W, D_C, D_FP32, D_SLOT, D_RING_ROW, D_PAGE, D_PAGE_ROW, D_COUNT };
 
+#define INLINE static inline __attribute__((always_inline))
+
 /* 16 elements of a row from `at` (first `n` of them) as fp32. */
-static inline __m512 load16(const void *at, int64_t n, const int fp32) {
+INLINE __m512 load16(const void *at, int64_t n, const int fp32) {
   const __mmask16 m = first_lanes(n > 0 ? n : 0);
   if (fp32) return _mm512_maskz_loadu_ps(m, at);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, at)), 16));
 }
 
+/* Heads h0 .. h0 + 16 of q [H][D] interleaved: packed[step] holds that word of each head (a pair of
+ * bf16 dims, or one fp32 dim); `steps` words a row. */
+INLINE void pack_heads(const void *q, int64_t h0, int64_t heads, int64_t D, int64_t steps, uint32_t *packed,
+                       const int fp32) {
+  const __m512i at_head = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32((int)steps));
+  const uint32_t *words = (const uint32_t *)((const char *)q + h0 * D * (fp32 ? 4 : 2));
+  for (int64_t d = 0; d < steps; d++)
+    _mm512_store_si512((void *)(packed + d * 16), _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), first_lanes(heads),
+                                                                               at_head, (const void *)(words + d), 4));
+}
+
+INLINE __m512 word_product(__m512 acc, __m512i heads_word, __m512i word, const int fp32) {
+  return fp32 ? _mm512_fmadd_ps(_mm512_castsi512_ps(heads_word), _mm512_castsi512_ps(word), acc)
+              : _mm512_dpbf16_ps(acc, (__m512bh)heads_word, (__m512bh)word);
+}
+
+/* logits[k] (the 16 heads' scaled logits, one register) for the keys first .. last: 8 keys at a time,
+ * each key's words broadcast against the heads'. */
+INLINE void key_logits(const uint32_t *packed, const void **seen, int64_t first, int64_t last, int64_t steps,
+                       float scale, float *logits, const int fp32) {
+  int64_t k = first;
+  for (; k + 8 <= last; k += 8) {
+    __m512 acc[8];
+    const uint32_t *key[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps(), key[i] = (const uint32_t *)seen[k + i];
+    for (int64_t d = 0; d < steps; d++) {
+      const __m512i heads_word = _mm512_load_si512((const void *)(packed + d * 16));
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; i++) acc[i] = word_product(acc[i], heads_word, _mm512_set1_epi32((int)key[i][d]), fp32);
+    }
+    for (int i = 0; i < 8; i++) _mm512_store_ps(logits + (k + i) * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+  }
+  for (; k < last; k++) {
+    __m512 acc = _mm512_setzero_ps();
+    const uint32_t *key = (const uint32_t *)seen[k];
+    for (int64_t d = 0; d < steps; d++)
+      acc = word_product(acc, _mm512_load_si512((const void *)(packed + d * 16)), _mm512_set1_epi32((int)key[d]), fp32);
+    _mm512_store_ps(logits + k * 16, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
+  }
+}
+
+static inline __m512 logits_peak(const float *logits, int64_t count, __m512 peak) {
+  for (int64_t k = 0; k < count; k++) peak = _mm512_max_ps(peak, _mm512_load_ps(logits + k * 16));
+  return peak;
+}
+
+/* The keys first .. last's logits replaced by their weights exp(logit - peak); returns their sum. */
+static inline __m512 key_weights(float *logits, int64_t first, int64_t last, __m512 peak) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t k = first; k < last; k++) {
+    const __m512 weight = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(logits + k * 16), peak));
+    _mm512_store_ps(logits + k * 16, weight);
+    sum = _mm512_add_ps(sum, weight);
+  }
+  return sum;
+}
+
+/* out's rows of heads h0 .. h0 + heads, in the 64-dim chunks first_chunk, first_chunk + stride, ...:
+ * the weighted sum over the keys (weights[k]: one register of the 16 heads') times inverse[head], in
+ * fp32, 4 heads x 64 dims in 16 registers. */
+INLINE void weighted_values(const void **seen, int64_t count, const float *weights, const float *inverse, void *out,
+                            int64_t h0, int64_t heads, int64_t D, int64_t first_chunk, int64_t stride, const int fp32) {
+  const int64_t size = fp32 ? 4 : 2;
+  for (int64_t h = 0; h < heads; h += 4) {
+    const int64_t hs = heads - h < 4 ? heads - h : 4;
+    for (int64_t d0 = first_chunk * 64; d0 < D; d0 += stride * 64) {
+      __m512 acc[4][4];
+      for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+      const int64_t left = D - d0;
+      for (int64_t k = 0; k < count; k++) {
+        const char *v = (const char *)seen[k] + d0 * size;
+        __m512 values[4];
+        for (int j = 0; j < 4; j++) values[j] = load16(v + 16 * j * size, left - 16 * j, fp32);
+        const float *w = weights + k * 16 + h;
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+          const __m512 wi = _mm512_set1_ps(w[i]);
+          for (int j = 0; j < 4; j++) acc[i][j] = _mm512_fmadd_ps(wi, values[j], acc[i][j]);
+        }
+      }
+      for (int i = 0; i < hs; i++)
+        for (int j = 0; j < 4 && 16 * j < left; j++) {
+          const __m512 result = _mm512_mul_ps(acc[i][j], _mm512_set1_ps(inverse[h + i]));
+          const int64_t at = (h0 + h + i) * D + d0 + 16 * j;
+          if (fp32) _mm512_mask_storeu_ps((float *)out + at, first_lanes(left - 16 * j), result);
+          else _mm256_mask_storeu_epi16((uint16_t *)out + at, first_lanes(left - 16 * j), (__m256i)_mm512_cvtneps_pbh(result));
+        }
+    }
+  }
+}
+
 /* One token: q [H][D] over the keys `seen[0 .. count)` (pointers to rows of D) -> out [H][D], all bf16
- * bits or (`fp32`) fp32. `logits` (scratch, count * 16) holds one register of 16 heads' logits, then
- * weights, per key; `packed` (scratch, D * 16 words) a head group's query, one register of its heads
- * per pair of dims (bf16: products exact in fp32, vdpbf16ps) or per dim (fp32: FMAs). Inlined into one
- * copy per element type. */
-static inline __attribute__((always_inline)) void decode_token(const void *q, const void **seen, int64_t count,
-                                                                const float *sink, void *out, const int64_t *p,
-                                                                float scale, float *logits, uint32_t *packed,
-                                                                const int fp32) {
-  const int64_t H = p[D_H], D = p[D_D], size = fp32 ? 4 : 2, steps = fp32 ? D : D / 2; /* words a row */
-  int64_t k;
+ * bits or (`fp32`) fp32, with or without the team: alone (team_size 1), or on every thread of the
+ * team at once (each computes a share of the keys' logits and weights, then every team_size-th chunk
+ * of the values; `logits` and `partial` (16 floats a thread) shared, a barrier between the phases).
+ * `logits` (count * 16) holds one register of 16 heads' logits, then weights, per key; `packed`
+ * (D * 16 words) a head group's query. Inlined into one copy per element type. */
+INLINE void decode_token(const void *q, const void **seen, int64_t count, const float *sink, void *out,
+                         const int64_t *p, float scale, float *logits, uint32_t *packed, float *partial, int team_size,
+                         const int fp32) {
+  const int64_t H = p[D_H], D = p[D_D], steps = fp32 ? D : D / 2, t = team_size > 1 ? omp_get_thread_num() : 0;
+  const int64_t first = count * t / team_size, last = count * (t + 1) / team_size;
   for (int64_t h0 = 0; h0 < H; h0 += 16) {
     const int64_t heads = H - h0 < 16 ? H - h0 : 16;
-    const __mmask16 lanes = first_lanes(heads);
-    const __m512i at_head = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32((int)steps));
-    const uint32_t *q_words = (const uint32_t *)((const char *)q + h0 * D * size);
-    for (int64_t d = 0; d < steps; d++)
-      _mm512_store_si512((void *)(packed + d * 16), _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, at_head,
-                                                                                 (const void *)(q_words + d), 4));
-    /* logits: 8 keys at a time, each key's words broadcast against the heads' */
-    for (k = 0; k + 8 <= count; k += 8) {
-      __m512 acc[8];
-      const uint32_t *key[8];
-      for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps(), key[i] = (const uint32_t *)seen[k + i];
-      for (int64_t d = 0; d < steps; d++) {
-        const __m512i heads_word = _mm512_load_si512((const void *)(packed + d * 16));
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; i++) {
-          const __m512i word = _mm512_set1_epi32((int)key[i][d]);
-          acc[i] = fp32 ? _mm512_fmadd_ps(_mm512_castsi512_ps(heads_word), _mm512_castsi512_ps(word), acc[i])
-                        : _mm512_dpbf16_ps(acc[i], (__m512bh)heads_word, (__m512bh)word);
-        }
-      }
-      for (int i = 0; i < 8; i++) _mm512_store_ps(logits + (k + i) * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+    pack_heads(q, h0, heads, D, steps, packed, fp32);
+    key_logits(packed, seen, first, last, steps, scale, logits, fp32);
+    if (team_size > 1) {
+#pragma omp barrier
     }
-    for (; k < count; k++) {
-      __m512 acc = _mm512_setzero_ps();
-      const uint32_t *key = (const uint32_t *)seen[k];
-      for (int64_t d = 0; d < steps; d++) {
-        const __m512i heads_word = _mm512_load_si512((const void *)(packed + d * 16));
-        const __m512i word = _mm512_set1_epi32((int)key[d]);
-        acc = fp32 ? _mm512_fmadd_ps(_mm512_castsi512_ps(heads_word), _mm512_castsi512_ps(word), acc)
-                   : _mm512_dpbf16_ps(acc, (__m512bh)heads_word, (__m512bh)word);
-      }
-      _mm512_store_ps(logits + k * 16, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
+    const __m512 sinks = _mm512_maskz_loadu_ps(first_lanes(heads), sink + h0);
+    const __m512 peak = logits_peak(logits, count, sinks);
+    if (team_size > 1) {
+#pragma omp barrier
     }
-    /* the softmax over the seen keys and the sink, per head (lane) */
-    const __m512 sinks = _mm512_maskz_loadu_ps(lanes, sink + h0);
-    __m512 peak = sinks;
-    for (k = 0; k < count; k++) peak = _mm512_max_ps(peak, _mm512_load_ps(logits + k * 16));
+    _mm512_storeu_ps(partial + t * 16, key_weights(logits, first, last, peak));
+    if (team_size > 1) {
+#pragma omp barrier
+    }
     __m512 denominator = exp_nonpositive(_mm512_sub_ps(sinks, peak));
-    for (k = 0; k < count; k++) {
-      const __m512 weight = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(logits + k * 16), peak));
-      _mm512_store_ps(logits + k * 16, weight);
-      denominator = _mm512_add_ps(denominator, weight);
-    }
+    for (int i = 0; i < team_size; i++) denominator = _mm512_add_ps(denominator, _mm512_loadu_ps(partial + i * 16));
     float inverse[16];
     _mm512_storeu_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), denominator));
-    /* value products in fp32: 4 heads x 64 dims in 16 registers over the keys */
-    for (int64_t h = 0; h < heads; h += 4) {
-      const int64_t hs = heads - h < 4 ? heads - h : 4;
-      for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        __m512 acc[4][4];
-        for (int i = 0; i < 4; i++)
-          for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-        const int64_t left = D - d0;
-        for (k = 0; k < count; k++) {
-          const char *v = (const char *)seen[k] + d0 * size;
-          __m512 values[4];
-          for (int j = 0; j < 4; j++) values[j] = load16(v + 16 * j * size, left - 16 * j, fp32);
-          const float *weights = logits + k * 16 + h;
-#pragma GCC unroll 4
-          for (int i = 0; i < 4; i++) {
-            const __m512 w = _mm512_set1_ps(weights[i]);
-            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_fmadd_ps(w, values[j], acc[i][j]);
-          }
-        }
-        for (int i = 0; i < hs; i++)
-          for (int j = 0; j < 4 && 16 * j < left; j++) {
-            const __m512 result = _mm512_mul_ps(acc[i][j], _mm512_set1_ps(inverse[h + i]));
-            const int64_t at = (h0 + h + i) * D + d0 + 16 * j;
-            if (fp32) _mm512_mask_storeu_ps((float *)out + at, first_lanes(left - 16 * j), result);
-            else _mm256_mask_storeu_epi16((uint16_t *)out + at, first_lanes(left - 16 * j), (__m256i)_mm512_cvtneps_pbh(result));
-          }
-      }
+    weighted_values(seen, count, logits, inverse, out, h0, heads, D, t, team_size, fp32);
+    if (team_size > 1) { /* (the next head group rewrites the shared logits) */
+#pragma omp barrier
     }
   }
 }
 
 static void decode_token_bf16(const void *q, const void **seen, int64_t count, const float *sink, void *out,
-                              const int64_t *p, float scale, float *logits, uint32_t *packed) {
-  decode_token(q, seen, count, sink, out, p, scale, logits, packed, 0);
+                              const int64_t *p, float scale, float *logits, uint32_t *packed, float *partial,
+                              int team_size) {
+  decode_token(q, seen, count, sink, out, p, scale, logits, packed, partial, team_size, 0);
 }
 
 static void decode_token_fp32(const void *q, const void **seen, int64_t count, const float *sink, void *out,
-                              const int64_t *p, float scale, float *logits, uint32_t *packed) {
-  decode_token(q, seen, count, sink, out, p, scale, logits, packed, 1);
+                              const int64_t *p, float scale, float *logits, uint32_t *packed, float *partial,
+                              int team_size) {
+  decode_token(q, seen, count, sink, out, p, scale, logits, packed, partial, team_size, 1);
+}
+
+/* Token b's keys: its ring rows r <= at[b], then its compressed rows that exist and that it attends to. */
+static int64_t seen_rows(const void **seen, int64_t b, const uint8_t *window, const int64_t *slots, const int64_t *at,
+                         const uint8_t *comp_pool, const int64_t *pages, const int64_t *page_rows,
+                         const uint8_t *exists, const uint8_t *allowed, const int64_t *p) {
+  int64_t count = 0;
+  for (int64_t r = 0; r < p[D_W] && r <= at[b]; r++) seen[count++] = window + slots[b] * p[D_SLOT] + r * p[D_RING_ROW];
+  for (int64_t c = b * p[D_C]; c < (b + 1) * p[D_C]; c++)
+    if (exists[c] && allowed[c]) seen[count++] = comp_pool + pages[c] * p[D_PAGE] + page_rows[c] * p[D_PAGE_ROW];
+  return count;
 }
 
 /* q [B][H][D], each token's ring in the window pool (slot slots[b]; position p at row p % W, rows
  * r <= at[b] seen) and its compressed rows in the compressed pool (row c at page pages[b][c], row
  * page_rows[b][c]; seen where exists and allowed [B][C]), the pools' rows of D like q (bf16 bits or
- * fp32); sink [H] fp32 -> out [B][H][D] like q. comp_pool NULL when C == 0. Returns 0, or -1 where
- * scratch memory could not be had. */
+ * fp32); sink [H] fp32 -> out [B][H][D] like q. comp_pool NULL when C == 0. With at least as many
+ * tokens as threads, each thread takes whole tokens; with fewer, the whole team takes each token in
+ * turn. Returns 0, or -1 where scratch memory could not be had. */
 int decode_attention(const void *q, const uint8_t *window, const int64_t *slots, const int64_t *at,
                      const float *sink, const uint8_t *comp_pool, const int64_t *pages, const int64_t *page_rows,
                      const uint8_t *exists, const uint8_t *allowed, void *out, const int64_t *p, float scale,
                      int threads) {
-  const int64_t B = p[D_B], H = p[D_H], D = p[D_D], W = p[D_W], C = p[D_C], size = p[D_FP32] ? 4 : 2;
+  const int64_t B = p[D_B], H = p[D_H], D = p[D_D], keys = p[D_W] + p[D_C], size = p[D_FP32] ? 4 : 2;
   void (*token)(const void *, const void **, int64_t, const float *, void *, const int64_t *, float, float *,
-                uint32_t *) = p[D_FP32] ? decode_token_fp32 : decode_token_bf16;
-  int failed = 0;
-#pragma omp parallel num_threads(threads < 1 ? 1 : threads) reduction(| : failed)
-  {
-    const void **seen = malloc((size_t)(W + C) * sizeof *seen);
-    float *logits = aligned_alloc(64, (size_t)((W + C) * 16 * 4 + 64));
-    uint32_t *packed = aligned_alloc(64, (size_t)(D * 64));
-    const int ready = seen && logits && packed;
-#pragma omp for schedule(static) /* (every thread takes part: a work-sharing loop waits for them all) */
-    for (int64_t b = 0; b < B; b++) {
-      if (!ready) {
-        failed = 1;
-        continue;
-      }
-      int64_t count = 0;
-      for (int64_t r = 0; r < W && r <= at[b]; r++) seen[count++] = window + slots[b] * p[D_SLOT] + r * p[D_RING_ROW];
-      for (int64_t c = b * C; c < (b + 1) * C; c++)
-        if (exists[c] && allowed[c]) seen[count++] = comp_pool + pages[c] * p[D_PAGE] + page_rows[c] * p[D_PAGE_ROW];
-      token((const char *)q + b * H * D * size, seen, count, sink, (char *)out + b * H * D * size, p, scale, logits,
-            packed);
-    }
-    free(seen), free(logits), free(packed);
+                uint32_t *, float *, int) = p[D_FP32] ? decode_token_fp32 : decode_token_bf16;
+  if (threads < 1) threads = 1;
+  /* Every thread's scratch, and the team's shared logits and partial sums, before the threads start:
+   * a thread that lacked its own could not take part in the team's barriers. */
+  const void **seen = malloc((size_t)(threads * keys) * sizeof *seen);
+  float *logits = aligned_alloc(64, (size_t)(threads * (keys * 16 * 4 + 64)));
+  uint32_t *packed = aligned_alloc(64, (size_t)(threads * D * 64));
+  float *partial = aligned_alloc(64, (size_t)(threads * 64));
+  if (!seen || !logits || !packed || !partial) {
+    free(seen), free(logits), free(packed), free(partial);
+    return -1;
   }
-  return failed ? -1 : 0;
+  const int team = B < threads;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    const void **mine = seen + t * keys;
+    uint32_t *my_packed = packed + t * D * 16;
+    if (team) { /* every thread on each token: the logits buffer is thread 0's, shared */
+      for (int64_t b = 0; b < B; b++) {
+        const int64_t count = seen_rows(mine, b, window, slots, at, comp_pool, pages, page_rows, exists, allowed, p);
+        token((const char *)q + b * H * D * size, mine, count, sink, (char *)out + b * H * D * size, p, scale, logits,
+              my_packed, partial, (int)n);
+      }
+    } else {
+      float *my_logits = logits + t * (keys * 16 + 16);
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < B; b++) {
+        const int64_t count = seen_rows(mine, b, window, slots, at, comp_pool, pages, page_rows, exists, allowed, p);
+        token((const char *)q + b * H * D * size, mine, count, sink, (char *)out + b * H * D * size, p, scale,
+              my_logits, my_packed, partial + t * 16, 1);
+      }
+    }
+  }
+  free(seen), free(logits), free(packed), free(partial);
+  return 0;
 }

@@ -48,15 +48,15 @@ def band_softmax(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor, 
                  scale: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """q [B, N, Q, H, D] over raw [B, N, K, D] (raw_allowed [B, N, Q, K] bool) and compressed [B, C, D]
     (compressed_allowed [B, N, Q, C]), all fp32 holding bf16 values, sink [H] -> the unnormalised
-    softmax weights exp(logit - peak) [B, N, Q, H, K] and [B, N, Q, H, C] (None without compressed
-    rows), and each row's denominator [B, N, Q, H, 1] (the sink's term included), in fp32. A logit is
+    softmax weights exp(logit - peak) [B, N, Q, H, K] and [B, N, Q, H, C] (None without compressed), and
+    each row's denominator [B, N, Q, H, 1] (the sink's term included), in fp32. A logit is
     scale * q.k; masked keys weigh 0; a row's peak is its largest logit or the head's sink."""
     batch, blocks, block, heads, dim = q.shape
     keys = raw.shape[2]
     count = 0 if compressed is None else compressed.shape[1]
     _check(q, raw, raw_allowed, sink, compressed, compressed_allowed)
     raw_weights = q.new_empty(batch, blocks, block, heads, keys)
-    compressed_weights = q.new_empty(batch, blocks, block, heads, count) if count else None
+    compressed_weights = None if compressed is None else q.new_empty(batch, blocks, block, heads, count)
     denominator = q.new_empty(batch, blocks, block, heads, 1)
     raw_mask = raw_allowed.view(torch.uint8)
     comp_mask = compressed_allowed.view(torch.uint8) if count else None
@@ -67,10 +67,11 @@ def band_softmax(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor, 
               *((compressed.stride(0), compressed.stride(1)) if count else (0, 0)),
               *((comp_mask.stride(0), comp_mask.stride(1), comp_mask.stride(2)) if count else (0, 0, 0)))
     sink = sink.float().contiguous()
-    status = _entry("band_softmax")(q.data_ptr(), raw.data_ptr(), raw_mask.data_ptr(), compressed.data_ptr() if count else None,
-                    comp_mask.data_ptr() if count else None, sink.data_ptr(), raw_weights.data_ptr(),
-                    compressed_weights.data_ptr() if count else None, denominator.data_ptr(),
-                    (ctypes.c_int64 * len(params))(*params), scale, torch.get_num_threads())
+    status = _entry("band_softmax")(
+        q.data_ptr(), raw.data_ptr(), raw_mask.data_ptr(), compressed.data_ptr() if count else None,
+        comp_mask.data_ptr() if count else None, sink.data_ptr(), raw_weights.data_ptr(),
+        compressed_weights.data_ptr() if count else None, denominator.data_ptr(),
+        (ctypes.c_int64 * len(params))(*params), scale, torch.get_num_threads())
     if status != 0:
         raise MemoryError("band_softmax: the kernel could not allocate its scratch memory")
     return raw_weights, compressed_weights, denominator

@@ -1,7 +1,9 @@
-"""The AVX512-BF16 band softmax kernel (dsv4/kernels/cpu_attention.py) against the same weights in
-float64 torch ops, over a sweep of shapes: head dims and key counts off its 32- and 16-wide steps,
-blocks' bands as the model lays them out (overlapping views of one source), masks shared by the
-batch, rows that see nothing but the sink, one thread against several."""
+"""The AVX512-BF16 attention kernels (dsv4/kernels/cpu_attention.py) over sweeps of shapes (head dims
+and key counts off their 32- and 16-wide steps): the band softmax against the same weights in float64
+torch ops, with blocks' bands as the model lays them out (overlapping views of one source), masks
+shared by the batch, rows that see nothing but the sink, one thread against several; the decode
+attention against the model's torch op, reading strided pools in place, bf16 and fp32, tokens on a
+thread each and on the whole team."""
 
 import pytest
 import torch
@@ -77,6 +79,16 @@ def test_band_softmax_equals_the_float64_weights(shape):
         assert (raw_weights[:, 0, 0] == 0).all() and (denominator[:, 0, 0] == 1).all()
         if compressed_weights is not None:
             assert (compressed_weights[:, 0, 0] == 0).all()
+
+
+def test_no_compressed_rows_weigh_nothing():
+    q, raw, raw_allowed, sink, compressed, compressed_allowed = inputs(SHAPES[3], 1)
+    raw_weights, compressed_weights, denominator = cpu_attention.band_softmax(
+        q, raw, raw_allowed, sink, compressed[:, :0], compressed_allowed[..., :0], scale=0.1)
+    assert compressed_weights.shape == (*q.shape[:4], 0)
+    want = expected(q, raw, raw_allowed, sink, None, None, 0.1)
+    assert torch.allclose(raw_weights.double(), want[0], rtol=1e-5, atol=0)
+    assert torch.allclose(denominator.double(), want[2], rtol=1e-5, atol=0)
 
 
 def test_one_thread_computes_the_same_bits_as_several():

@@ -8,39 +8,19 @@
   pair products) or fp32 (FMAs); softmax and value products in fp32.
 Their oracle is the model's torch code for the same math (its tests run both against dsv4.reference).
 
-The kernels are built with the system's C compiler once per machine into the cache (well under a
-second; logged), under a key of their source and flags. Where the CPU lacks AVX512-BF16 or no
-compiler builds them, `available()` is False and the model computes in torch ops.
+They are built with the other CPU kernels (dsv4/kernels/cpu_library.py); where that library is not
+available, the model computes in torch ops.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import time
-from pathlib import Path
 
 import torch
 
-from dsv4.config import cache_dir
-from dsv4.config.server_args import cpu_has_avx512_bf16
+from .cpu_library import available, entry
 
-log = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("cpu") / "attention.c"
-_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC", "-fopenmp")
-BUILD_TIMEOUT_S = 120
-
-
-def available() -> bool:
-    """Whether the kernels run here: the CPU has AVX512-BF16 and they are built (the first call builds
-    them, or loads them from the cache)."""
-    return _library() is not None
+__all__ = ["available", "band_softmax", "decode_attention"]
 
 
 def band_softmax(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor, sink: torch.Tensor,
@@ -67,7 +47,7 @@ def band_softmax(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor, 
               *((compressed.stride(0), compressed.stride(1)) if count else (0, 0)),
               *((comp_mask.stride(0), comp_mask.stride(1), comp_mask.stride(2)) if count else (0, 0, 0)))
     sink = sink.float().contiguous()
-    status = _entry("band_softmax")(
+    status = entry("band_softmax")(
         q.data_ptr(), raw.data_ptr(), raw_mask.data_ptr(), compressed.data_ptr() if count else None,
         comp_mask.data_ptr() if count else None, sink.data_ptr(), raw_weights.data_ptr(),
         compressed_weights.data_ptr() if count else None, denominator.data_ptr(),
@@ -116,7 +96,7 @@ def decode_attention(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
     params = (batch, heads, dim, window.shape[1], count, int(q.dtype == torch.float32), window.stride(0), window.stride(1),
               *((compressed_pool.stride(0), compressed_pool.stride(1)) if count else (0, 0)))
     pointers = [t.data_ptr() for t in comp] if count else [None] * 5
-    status = _entry("decode_attention")(
+    status = entry("decode_attention")(
         q.data_ptr(), window.data_ptr(), slots.data_ptr(), at.data_ptr(), sink.data_ptr(), *pointers, out.data_ptr(),
         (ctypes.c_int64 * len(params))(*params), scale, torch.get_num_threads())
     if status != 0:
@@ -150,49 +130,3 @@ def _check(q, raw, raw_allowed, sink, compressed, compressed_allowed) -> None:
             problems.append("compressed_allowed must be bool [B, N, Q, C] with contiguous rows")
     if problems:
         raise RuntimeError("band_softmax: " + "; ".join(problems))
-
-
-def _entry(name: str):
-    library = _library()
-    if library is None:
-        raise RuntimeError("the AVX512-BF16 attention kernels are not available on this machine")
-    return getattr(library, name)
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The built kernels, built (or found in the cache) on the first call; None where this CPU lacks
-    AVX512-BF16 or the build fails (logged)."""
-    if not cpu_has_avx512_bf16():
-        return None
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        log.warning("cpu_attention: no C compiler (gcc or cc) to build the AVX512-BF16 kernels; the attention "
-                    "runs in torch ops")
-        return None
-    key = hashlib.sha256(_SOURCE.read_bytes() + repr((_FLAGS, compiler)).encode()).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"cpu_attention-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.so")
-        started = time.monotonic()
-        try:
-            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(partial)], check=True, capture_output=True,
-                           timeout=BUILD_TIMEOUT_S)
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = e.stderr.decode(errors="replace")[-2000:] if getattr(e, "stderr", None) else str(e)
-            log.warning("cpu_attention: building the AVX512-BF16 kernels failed; the attention runs in torch ops: %s",
-                        detail)
-            partial.unlink(missing_ok=True)
-            return None
-        os.replace(partial, path)  # whole or absent: a concurrent start never loads half a library
-        log.info("cpu_attention: built the AVX512-BF16 kernels in %.1f s", time.monotonic() - started)
-    library = ctypes.CDLL(str(path))  # (ctypes releases the GIL for each call)
-    log.info("cpu_attention: the attention's AVX512-BF16 kernels are loaded (%s)", path)
-    library.band_softmax.argtypes = [ctypes.c_void_p] * 9 + [ctypes.POINTER(ctypes.c_int64), ctypes.c_float,
-                                                               ctypes.c_int]
-    library.decode_attention.argtypes = [ctypes.c_void_p] * 11 + [ctypes.POINTER(ctypes.c_int64), ctypes.c_float,
-                                                                    ctypes.c_int]
-    for entry in (library.band_softmax, library.decode_attention):
-        entry.restype = ctypes.c_int
-    return library

@@ -25,7 +25,8 @@ much of a layer's small ops:
   weights;
 - for forwards of at most `ops.FEW_TOKENS` tokens (decode steps), the whole MoE (`moe_few`,
   dsv4.model.moe.few, one per routing kind), which reads each pick's expert where it lies with
-  `ops.row_linear` (a c=1 decode step's MoE of `small` took 1.8 against 7.1 ms).
+  `ops.row_linear` (a c=1 decode step's MoE of `small` took 1.8 against 7.1 ms); a bf16 model on an AVX512-BF16 CPU runs the
+  dispatch package and a C kernel instead (dsv4/kernels/cpu_moe.py).
 Compiled, each is one call of fused C++ kernels around its matmuls. Ahead of time rather than
 `torch.compile`'s just-in-time form because a call then skips dynamo's guards on every input: in a
 c=1 decode step (small, fp32, in process, alternated runs) the jit-compiled collapse took 207 us a
@@ -122,22 +123,23 @@ class Pieces:
     compressor_feed: Callable  # compressor.feed
     index_queries: Callable  # attention.index_queries
     moe: Callable  # moe.grouped (compiled: moe.few for forwards of at most FEW_TOKENS tokens)
+    moe_dispatch: Callable  # moe.dispatch (the one moe.grouped calls)
     compiled: bool
 
 
 def eager_pieces(cfg: ModelConfig, experts: range) -> Pieces:
     constants = _constants(cfg)
+    dispatch = functools.partial(moe.dispatch, **moe.dispatch_constants(cfg, experts))
     return Pieces(mix=functools.partial(mhc.mix, **constants),
                   attention_entry=functools.partial(attention.attention_entry, **constants),
                   attend=functools.partial(attention.banded_sink_attention, scale=attention.softmax_scale(cfg)),
                   attend_decodes=functools.partial(attention.decode_sink_attention, scale=attention.softmax_scale(cfg)),
                   attention_exit=attention.attention_exit, compressor_feed=compressor.feed,
                   index_queries=functools.partial(attention.index_queries, **_index_constants(cfg)),
-                  moe=functools.partial(moe.grouped,
-                                        dispatch=functools.partial(moe.dispatch, **moe.dispatch_constants(cfg, experts)),
+                  moe=functools.partial(moe.grouped, dispatch=dispatch,
                                         combine=functools.partial(moe.combine, swiglu_limit=cfg.swiglu_limit),
                                         swiglu_limit=cfg.swiglu_limit),
-                  compiled=False)
+                  moe_dispatch=dispatch, compiled=False)
 
 
 def compile_pieces(model: PagedModel, timeout: float, cache: Path, threads: int) -> Pieces:
@@ -282,7 +284,7 @@ def _assemble(eager: Pieces, compiled: dict[str, Callable], twins: dict[int, tup
                   moe=by_tokens([("moe_few", by_route("moe_few"))],
                                 functools.partial(eager.moe, dispatch=by_route("moe_dispatch"),
                                                   combine=compiled["moe_combine"])),
-                  compiled=True)
+                  moe_dispatch=by_route("moe_dispatch"), compiled=True)
 
 
 class _Piece(torch.nn.Module):

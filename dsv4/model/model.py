@@ -86,7 +86,7 @@ class _Block:
                                                               *self.attn.input_weights, rope.cos2, rope.sin2)
         y = self.attn(AttentionInputs(*inputs), plan, rope, on_selection, pieces)
         streams, x, post, comb = pieces.mix(streams, y, post, comb, *self.ffn_hc.weights)
-        return Residual(streams, self.ffn(x, plan.token_ids, pieces.moe), post, comb)
+        return Residual(streams, self.ffn(x, plan.token_ids, pieces.moe, pieces.moe_dispatch), post, comb)
 
 
 class _WeightReader:

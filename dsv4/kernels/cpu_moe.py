@@ -1,0 +1,52 @@
+"""The MoE of a decode step's few tokens for a bf16 model on AVX512-BF16 (cpu/moe.c): after the
+routing and sort (dsv4.model.moe.dispatch), every pick's expert and every token's shared expert
+read where they lie, rounded where dsv4.model.moe.grouped rounds. Its oracle is `grouped` (its test
+runs both against each other and against float64)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .cpu_library import available, entry
+
+__all__ = ["available", "moe_few"]
+
+
+def moe_few(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor,
+            keep: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor | None,
+            shared_w2: torch.Tensor | None, *, swiglu_limit: float) -> torch.Tensor:
+    """x [T, hidden] bf16 and its picks as `dispatch` sorts them (each pick's token, row `places`,
+    weight `scale` [P, 1] fp32 and whether it is this rank's, `keep` [P, 1]; the groups' padded `ends`
+    [E] int32), the experts' w13 [E, 2 * inter, hidden] and w2 [E, hidden, inter], and the shared
+    expert's (or None), all bf16 -> this rank's share of the MoE's output [T, hidden] in fp32."""
+    count, hidden = x.shape
+    picks, experts, inter = tokens.shape[0], w13.shape[0], w2.shape[2]
+    shared = 0 if shared_w13 is None else shared_w2.shape[1]
+    weights = [w13, w2] + ([shared_w13, shared_w2] if shared else [])
+    problems = []
+    if x.device.type != "cpu" or any(t.dtype != torch.bfloat16 for t in (x, *weights)):
+        problems.append("x and the weights must be bf16 on the CPU")
+    if w13.shape != (experts, 2 * inter, hidden) or w2.shape != (experts, hidden, inter):
+        problems.append(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit hidden {hidden}")
+    if shared and (shared_w13.shape != (2 * shared, hidden) or shared_w2.shape != (hidden, shared)):
+        problems.append(f"shared_w13 {tuple(shared_w13.shape)} and shared_w2 {tuple(shared_w2.shape)} do not fit")
+    if places.shape != (picks,) or scale.shape != (picks, 1) or keep.shape != (picks, 1) or ends.shape != (experts,):
+        problems.append("places [P], scale [P, 1], keep [P, 1] and ends [E] must fit the picks and the experts")
+    if problems:
+        raise RuntimeError("moe_few: " + "; ".join(problems))
+    x, *weights = (t.contiguous() for t in (x, *weights))
+    tokens, places = (t.to(torch.int64).contiguous() for t in (tokens, places))
+    ends, scale = ends.to(torch.int32).contiguous(), scale.to(torch.float32).contiguous()
+    keep = keep.to(torch.bool).contiguous().view(torch.uint8)
+    out = x.new_empty(count, hidden, dtype=torch.float32)
+    params = (count, picks, experts, hidden, inter, shared)
+    pointers = [t.data_ptr() for t in weights] + ([] if shared else [None, None])
+    status = entry("moe_few")(
+        x.data_ptr(), *pointers, tokens.data_ptr(), places.data_ptr(), ends.data_ptr(), keep.data_ptr(),
+        scale.data_ptr(), out.data_ptr(), (ctypes.c_int64 * len(params))(*params), swiglu_limit,
+        torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("moe_few: the kernel could not allocate its scratch memory")
+    return out

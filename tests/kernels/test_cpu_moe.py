@@ -1,0 +1,103 @@
+"""The decode steps' MoE kernel (dsv4/kernels/cpu_moe.py) against the grouped MoE's torch code
+(dsv4.model.moe.grouped, which the model tests hold against the reference) and float64."""
+
+import functools
+
+import pytest
+import torch
+
+from dsv4.kernels import cpu_moe
+from dsv4.model import moe
+
+pytestmark = pytest.mark.skipif(not cpu_moe.available(), reason="the CPU lacks AVX512-BF16 or a C compiler")
+
+LIMIT = 7.0
+
+
+def experts_of(seed: int, experts: int, hidden: int, inter: int, shared: int):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * inter**-0.5).bfloat16()
+    shared_weights = (None, None)
+    if shared:
+        shared_weights = ((torch.randn(2 * shared, hidden, generator=g) * hidden**-0.5).bfloat16(),
+                          (torch.randn(hidden, shared, generator=g) * shared**-0.5).bfloat16())
+    gate = torch.randn(experts, hidden, generator=g) * hidden**-0.5
+    return gate, w13, w2, shared_weights
+
+
+@pytest.mark.parametrize("tokens,experts,hidden,inter,shared,top_k,rank", [
+    (1, 8, 512, 256, 256, 2, None), (4, 8, 512, 256, 256, 2, None), (3, 6, 96, 40, 0, 3, None),
+    (2, 4, 72, 40, 24, 2, (1, 2)), (1, 16, 48, 24, 40, 4, (0, 5))])
+def test_matches_grouped(tokens, experts, hidden, inter, shared, top_k, rank):
+    """Scored routing (its bias random so picks spread); `rank`: (first, count) of a tensor-parallel
+    rank's experts, whose other picks drop out. Widths past a multiple of 32 exercise the kernel's masked tails."""
+    gate, w13, w2, (shared_w13, shared_w2) = experts_of(tokens * 7 + hidden, experts, hidden, inter, shared)
+    first, local = rank or (0, experts)
+    w13, w2 = w13[first:first + local], w2[first:first + local]
+    x = (torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(5)) * 3).bfloat16()
+    x[0, :5] = torch.tensor([40.0, -40.0, 0.0, 1e-3, -7.5])  # (some rows push the SwiGLU into its clamps)
+    token_ids = torch.arange(tokens)
+    bias = torch.randn(experts, generator=torch.Generator().manual_seed(9))
+    constants = {"first_expert": first, "local_experts": local, "top_k": top_k, "scoring_func": "sqrtsoftplus",
+                 "norm_topk_prob": True, "routed_scaling_factor": 1.5}
+    dispatch = functools.partial(moe.dispatch, **constants)
+    expected = moe.grouped(x, token_ids, gate, bias, w13, w2, shared_w13, shared_w2, dispatch=dispatch,
+                           combine=functools.partial(moe.combine, swiglu_limit=LIMIT), swiglu_limit=LIMIT)
+    _, places, picked_tokens, ends, scale, keep = dispatch(x, token_ids, gate, bias)
+    got = cpu_moe.moe_few(x, picked_tokens, places, ends, scale, keep, w13, w2, shared_w13, shared_w2,
+                          swiglu_limit=LIMIT)
+    assert got.dtype == torch.float32 and got.shape == (tokens, hidden)
+    # Each projection rounds into bf16 in both; a sum in another order may round one ulp apart there
+    assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    exact = float64_moe(x, picked_tokens, places, ends, scale, keep, w13, w2, shared_w13, shared_w2)
+    scale_of_output = exact.abs().max().item()
+    assert (got.double() - exact).abs().max().item() <= 2e-2 * scale_of_output
+    assert (got.double() - exact).abs().max() <= 1.5 * (expected.double() - exact).abs().max() + 1e-3 * scale_of_output
+
+
+def float64_moe(x, tokens, places, ends, scale, keep, w13, w2, shared_w13, shared_w2):
+    """The same MoE without rounding."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    x, ends = x.double(), ends.tolist()
+
+    def expert(row, up_weights, down_weights):
+        gate, up = (row @ up_weights.double().T).chunk(2)
+        return (torch.nn.functional.silu(gate.clamp(max=LIMIT)) * up.clamp(-LIMIT, LIMIT)) @ down_weights.double().T
+
+    for k in range(tokens.shape[0]):
+        if keep[k]:
+            e = next(g for g, end in enumerate(ends) if places[k] < end)
+            out[tokens[k]] += scale[k].double() * expert(x[tokens[k]], w13[e], w2[e])
+    if shared_w13 is not None:
+        for t in range(x.shape[0]):
+            out[t] += expert(x[t], shared_w13, shared_w2)
+    return out
+
+
+def test_one_thread_gives_the_same_bits():
+    gate, w13, w2, (shared_w13, shared_w2) = experts_of(0, 8, 512, 256, 256)
+    x = torch.randn(3, 512).bfloat16()
+    picks = moe.dispatch(x, torch.arange(3), gate, torch.zeros(8), first_expert=0, local_experts=8, top_k=2,
+                         scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=1.0)[1:]
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(cpu_moe.moe_few(x, picks[1], picks[0], *picks[2:], w13, w2, shared_w13, shared_w2,
+                                           swiglu_limit=LIMIT))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(*results)
+
+
+def test_rejects_what_it_cannot_read():
+    gate, w13, w2, _ = experts_of(0, 4, 64, 32, 0)
+    x = torch.randn(1, 64).bfloat16()
+    picks = moe.dispatch(x, torch.arange(1), gate, torch.zeros(4), first_expert=0, local_experts=4, top_k=2,
+                         scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=1.0)[1:]
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_moe.moe_few(x.float(), picks[1], picks[0], *picks[2:], w13, w2, None, None, swiglu_limit=LIMIT)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        cpu_moe.moe_few(x, picks[1], picks[0], *picks[2:], w13, w2.mT, None, None, swiglu_limit=LIMIT)

@@ -27,7 +27,7 @@ def cpu_has_fast_bf16() -> bool:
 
 def cpu_has_avx512_bf16() -> bool:
     """Whether this CPU has AVX512-BF16's dot products of bf16 pairs into fp32 (a Zen 4, a Xeon since
-    Cooper Lake): dsv4/kernels/cpu_attention.py's attention kernels run on it."""
+    Cooper Lake): the CPU kernels of dsv4/kernels/cpu_library.py (attention, decode MoE) run on it."""
     return "avx512_bf16" in _cpu_flags()
 
 

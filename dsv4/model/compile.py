@@ -275,6 +275,7 @@ def _assemble(eager: Pieces, compiled: dict[str, Callable], twins: dict[int, tup
             return general(first, *rest)
         return route
 
+    dispatch = by_route("moe_dispatch")
     entry, exit_ = (by_tokens([(tier, compiled[tier]) for tier in (name, f"{name}_some") if tier in compiled],
                               compiled[f"{name}_many"]) for name in _BY_TOKENS)
     # (a model of window layers alone has no compressor to compile a feed for, nor index queries)
@@ -283,9 +284,8 @@ def _assemble(eager: Pieces, compiled: dict[str, Callable], twins: dict[int, tup
                   compressor_feed=compiled.get("compressor_feed", eager.compressor_feed),
                   index_queries=compiled.get("index_queries", eager.index_queries),
                   moe=by_tokens([("moe_few", by_route("moe_few"))],
-                                functools.partial(eager.moe, dispatch=by_route("moe_dispatch"),
-                                                  combine=compiled["moe_combine"])),
-                  moe_dispatch=by_route("moe_dispatch"), compiled=True)
+                                functools.partial(eager.moe, dispatch=dispatch, combine=compiled["moe_combine"])),
+                  moe_dispatch=dispatch, compiled=True)
 
 
 class _Piece(torch.nn.Module):

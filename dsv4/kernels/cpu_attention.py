@@ -3,6 +3,10 @@
   compressed rows (dsv4.model.attention.banded_sink_attention) for bf16-valued operands: the logits'
   products on the CPU's bf16 units, summed in fp32 (exact products: the same sums as fp32
   arithmetic, in another order), a tile of rows at a time while it is in cache;
+- `band_attention`: the whole attention of prefill chunks' query blocks (banded_sink_attention) for
+  a bf16 model on AMX tiles (cpu/band_amx.c): the logits' products exact, the softmax weights split
+  into three bf16 pieces that sum to them exactly, so that the value products are exact on the tiles
+  too; the same sums as fp32 arithmetic, in another order;
 - `decode_attention`: the whole attention of decode tokens over their rings and compressed rows
   where they lie in the pools (dsv4.model.attention.decode_sink_attention), in bf16 (logits as bf16
   pair products) or fp32 (FMAs); softmax and value products in fp32.
@@ -15,12 +19,79 @@ available, the model computes in torch ops.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
+from dsv4.config.server_args import cpu_has_amx_bf16
+
 from .cpu_library import available, entry
 
-__all__ = ["available", "band_softmax", "decode_attention"]
+__all__ = ["amx_available", "available", "band_attention", "band_softmax", "decode_attention"]
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether `band_attention` runs here: the CPU has AMX tiles for bf16, the kernels are built and
+    Linux lets this process use the tiles."""
+    return cpu_has_amx_bf16() and available() and entry("amx_ready")() == 0
+
+
+def band_attention(q: torch.Tensor, rows: torch.Tensor, raw_allowed: torch.Tensor, sink: torch.Tensor,
+                   compressed: torch.Tensor | None = None, compressed_allowed: torch.Tensor | None = None, *,
+                   block: int, scale: float) -> torch.Tensor:
+    """Sink attention of a prefill group's queries q [B, L, H, D] (bf16; each token's [H, D] rows
+    contiguous, tokens one after another), in blocks of `block` queries (block n: queries n*Q ..
+    n*Q + Q), over their bands of raw rows (block n's: rows [n*Q, n*Q + K) of rows [B, R, D] bf16,
+    rows at or past R zero; raw_allowed [B, N, Q, K] bool) and the compressed rows (compressed
+    [B, C, D] bf16, compressed_allowed [B, N, Q, C] bool), sink [H] -> [B, L, H, D] bf16: what
+    `banded_sink_attention` computes from the same bf16 values, rounded to bf16 (the blocks' queries
+    past L are never computed)."""
+    batch, length, heads, dim = q.shape
+    blocks, keys = raw_allowed.shape[1], raw_allowed.shape[3]
+    count = 0 if compressed is None else compressed.shape[1]
+    problems = []
+    if q.dtype != torch.bfloat16 or rows.dtype != torch.bfloat16 or q.device.type != "cpu":
+        problems.append(f"q and rows must be bf16 CPU tensors (got {q.dtype}, {rows.dtype} on {q.device})")
+    if dim % 32 or q.stride(3) != 1 or q.stride(2) != dim or q.stride(1) != heads * dim:
+        problems.append(f"q's head dim must be a multiple of 32 and its tokens' rows contiguous (got "
+                        f"{tuple(q.shape)}, strides {q.stride()})")
+    if blocks > 1 and block % 16:
+        problems.append(f"blocks of several must start at multiples of 16 rows (block {block})")
+    if blocks * block < length or raw_allowed.shape != (batch, blocks, block, keys) or raw_allowed.dtype != torch.bool:
+        problems.append(f"raw_allowed must be bool [B, N, Q, K] covering the {length} queries (got "
+                        f"{tuple(raw_allowed.shape)}, block {block})")
+    if rows.dim() != 3 or rows.shape[0] != batch or rows.shape[2] != dim or rows.stride(2) != 1:
+        problems.append(f"rows must be [B, R, {dim}] with contiguous rows (got {tuple(rows.shape)})")
+    if sink.shape != (heads,):
+        problems.append(f"sink must be [{heads}] (got {tuple(sink.shape)})")
+    if count and (compressed.dtype != torch.bfloat16 or compressed.shape != (batch, count, dim) or compressed.stride(2) != 1
+                  or compressed_allowed is None or compressed_allowed.shape != (batch, blocks, block, count)
+                  or compressed_allowed.dtype != torch.bool):
+        problems.append("compressed must be bf16 [B, C, D] with contiguous rows, compressed_allowed bool [B, N, Q, C]")
+    if problems:
+        raise RuntimeError("band_attention: " + "; ".join(problems))
+    raw_mask = raw_allowed.view(torch.uint8)
+    if raw_mask.stride(3) != 1:
+        raw_mask = raw_mask.contiguous()
+    comp_mask = None
+    if count:
+        comp_mask = compressed_allowed.view(torch.uint8)
+        comp_mask = comp_mask if comp_mask.stride(3) == 1 else comp_mask.contiguous()
+    out = q.new_empty(batch, length, heads, dim)
+    params = (batch, blocks, block, heads, keys, count, dim, length, rows.shape[1],
+              q.stride(0), q.stride(1), rows.stride(0), rows.stride(1),
+              raw_mask.stride(0), raw_mask.stride(1), raw_mask.stride(2),
+              *((compressed.stride(0), compressed.stride(1)) if count else (0, 0)),
+              *((comp_mask.stride(0), comp_mask.stride(1), comp_mask.stride(2)) if count else (0, 0, 0)))
+    sink = sink.float().contiguous()
+    status = entry("band_attention")(
+        q.data_ptr(), rows.data_ptr(), raw_mask.data_ptr(), compressed.data_ptr() if count else None,
+        comp_mask.data_ptr() if count else None, sink.data_ptr(), out.data_ptr(),
+        (ctypes.c_int64 * len(params))(*params), scale, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("band_attention: the kernel could not allocate its scratch memory")
+    return out
 
 
 def band_softmax(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor, sink: torch.Tensor,

@@ -23,6 +23,7 @@ from dsv4.config.server_args import cpu_has_avx512_bf16
 log = logging.getLogger(__name__)
 
 _SOURCES = tuple(sorted((Path(__file__).with_name("cpu")).glob("*.c")))
+_HEADERS = tuple(sorted((Path(__file__).with_name("cpu")).glob("*.h")))
 _FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC", "-fopenmp")
 BUILD_TIMEOUT_S = 120
 _POINTER, _PARAMS = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)
@@ -31,6 +32,8 @@ _SIGNATURES = {
     "band_softmax": [_POINTER] * 9 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "decode_attention": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "moe_few": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
+    "band_attention": [_POINTER] * 7 + [_PARAMS, ctypes.c_float, ctypes.c_int],
+    "amx_ready": [],
 }
 
 
@@ -59,7 +62,7 @@ def _library() -> ctypes.CDLL | None:
         log.warning("cpu kernels: no C compiler (gcc or cc) to build the AVX512-BF16 kernels; the model runs "
                     "torch ops instead")
         return None
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES)
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES + _HEADERS)
                          + repr((_FLAGS, compiler)).encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     if not path.exists():

@@ -185,27 +185,39 @@ class PagedAttention:
     def _attend(self, group: AttentionGroup, q: torch.Tensor, raw_keys: torch.Tensor, picks, attend) -> torch.Tensor:
         """q [T, H, D] of the whole batch -> attention output [B*L, H, D] of the group's tokens; `picks`
         [B, L, k] the indexer's (CSA layers)."""
-        acc = accumulation_dtype(q.dtype)
         batch, length, block, band = group.batch, group.length, group.block, group.band
         blocks = group.band_allowed.shape[1]
         pad = blocks * block - length
-        own = group.rows(raw_keys).to(acc)
+        on_tiles = self._on_tiles(group)
+        rows_dtype = q.dtype if on_tiles else accumulation_dtype(q.dtype)
+        own = group.rows(raw_keys).to(rows_dtype)
         if group.own_rows_only:  # the band is the chunk's own rows (no ring row exists)
             sources = [own]
         else:
             ring = self._gather_main_rows(self.pools.window(self.layer), (group.slots, group.ring_rows),
                                           group.ring_exists)
-            sources = [ring.to(acc), own]
+            sources = [ring.to(rows_dtype), own]
+        compressed, compressed_allowed = self._compressed_rows(group, picks, pad, rows_dtype)
+        if on_tiles:  # the band's rows as one source (the kernel reads rows past it as zeros)
+            rows = sources[0] if len(sources) == 1 else torch.cat(sources, 1)
+            return cpu_attention.band_attention(group.rows(q), rows, group.band_allowed, self.sink, compressed,
+                                                compressed_allowed, block=block, scale=self.scale).flatten(0, 1)
         height = (blocks - 1) * block + band  # rows the blocks' bands span, the last one's padding included
         sources.append(own.new_zeros(batch, height - sum(part.shape[1] for part in sources), own.shape[-1]))
         raw = torch.cat(sources, 1).unfold(1, band, block).transpose(-1, -2)  # [B, N, K, D]: each block's band
         queries = group.rows(q)
         if pad:  # (a copy: avoided when the blocks tile the chunk)
             queries = torch.nn.functional.pad(queries, (0, 0, 0, 0, 0, pad))  # [B, N*Q, H, D]
-        queries = queries.unflatten(1, (blocks, block)).to(acc)  # [B, N, Q, H, D]: (query, head) rows in memory order
-        out = self._sink_attention(group, queries, raw, group.band_allowed, picks, pad, attend,
-                                   exact_bf16=self.exact_bf16)  # [B, N, Q, H, D]
+        queries = queries.unflatten(1, (blocks, block)).to(rows_dtype)  # [B, N, Q, H, D]: (query, head) rows in memory order
+        extra = () if compressed is None else (compressed, compressed_allowed)
+        out = attend(queries, raw, group.band_allowed, self.sink, *extra, exact_bf16=self.exact_bf16)  # [B, N, Q, H, D]
         return out.flatten(1, 2)[:, :length].flatten(0, 1).to(q.dtype)  # [B*L, H, D]
+
+    def _on_tiles(self, group: AttentionGroup) -> bool:
+        """Whether the group's attention runs as the AMX kernel (`cpu_attention.band_attention`): a bf16
+        model's bf16 values on a CPU with AMX tiles, in the layouts the kernel reads."""
+        return (self.exact_bf16 and bf16_logits() == "amx" and self.cfg.head_dim % 32 == 0
+                and (group.band_allowed.shape[1] == 1 or group.block % 16 == 0))
 
     def _attend_decodes(self, group: AttentionGroup, q: torch.Tensor, raw_rows: torch.Tensor, positions: torch.Tensor,
                         picks, attend_decodes) -> torch.Tensor:
@@ -231,21 +243,18 @@ class PagedAttention:
         compressed = self._main_rows_at(self.pools.compressed_rows(self.layer), rows.pages, rows.page_rows)
         return attend_decodes(queries, ring, at, self.sink, compressed, rows.exists, allowed[:, 0])
 
-    def _sink_attention(self, group: AttentionGroup, queries: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor,
-                        picks, pad: int, attend, *, exact_bf16: bool = False) -> torch.Tensor:
-        """queries [B, N, Q, H, D] over their bands raw [B, N, K, D] (raw_allowed [B, N, Q, K]) plus the
-        compressed rows the group's queries see (the last block's `pad` queries past the chunk see
-        none) -> [B, N, Q, H, D], through `attend` (`banded_sink_attention`);
-        `exact_bf16`: see there."""
-        blocks, block = queries.shape[1:3]
+    def _compressed_rows(self, group: AttentionGroup, picks, pad: int, dtype: torch.dtype):
+        """The compressed rows the group's queries see, [B, C, D] in `dtype`, and which of them each
+        query attends to, [B, N, Q, C] (the last block's `pad` queries past the chunk see none); (None,
+        None) while the group has none."""
         seen = self._compressed_seen(group, picks)
         if seen is None:
-            return attend(queries, raw, raw_allowed, self.sink, exact_bf16=exact_bf16)
+            return None, None
         rows, allowed = seen
         stored = self.pools.compressed_rows(self.layer)
-        compressed = self._gather_main_rows(stored, (rows.pages, rows.page_rows), rows.exists).to(queries.dtype)
-        compressed_allowed = torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
-        return attend(queries, raw, raw_allowed, self.sink, compressed, compressed_allowed, exact_bf16=exact_bf16)
+        compressed = self._gather_main_rows(stored, (rows.pages, rows.page_rows), rows.exists).to(dtype)
+        blocks, block = group.band_allowed.shape[1:3]
+        return compressed, torch.nn.functional.pad(allowed, (0, 0, 0, pad)).unflatten(1, (blocks, block))
 
     def _compressed_seen(self, group: AttentionGroup, picks) -> tuple[CompressedRows, torch.Tensor] | None:
         """The group's compressed rows at this layer's ratio and which of them each query attends to
@@ -460,16 +469,23 @@ def _softmax_weights(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tens
 
 @functools.cache
 def bf16_logits() -> str | None:
-    """How `banded_sink_attention`'s `exact_bf16` logits run on this CPU's bf16 units, or None (in fp32):
-    - "onednn" with AMX: oneDNN's fp32 matmuls on bf16 products (the logits' matmuls took a third of
-      the time);
+    """How a bf16 model's prefill attention (`exact_bf16`) runs on this CPU's bf16 units, or None (in fp32):
+    - "amx" with AMX tiles: the whole attention as one kernel (`cpu_attention.band_attention`; a
+      256-token chunk of `small`'s layer: 2.7 ms against 10.6 for the torch ops on oneDNN);
+      `banded_sink_attention`, for the layouts that kernel does not read, as "onednn";
+    - "onednn" with AMX where that kernel is not built: oneDNN's fp32 matmuls on bf16 products for the
+      logits (their matmuls took a third of the time);
     - "avx512_bf16" with AVX512-BF16 alone (a Zen 4), where oneDNN copies the operands to convert them
       (a 256-token bf16 prefill of `small` took 235 ms against 227 in fp32, interleaved, 7 each): the
       logits and the softmax's passes as one kernel (dsv4/kernels/cpu_attention.py; built on the first
       call)."""
-    path = "onednn" if cpu_has_amx_bf16() else "avx512_bf16" if cpu_attention.available() else None
-    log.info("a bf16 model's prefill attention logits run %s", {"onednn": "on AMX (oneDNN's bf16 products)",
-             "avx512_bf16": "on AVX512-BF16 (dsv4/kernels/cpu_attention.py)", None: "in fp32"}[path])
+    if cpu_has_amx_bf16():
+        path = "amx" if cpu_attention.amx_available() else "onednn"
+    else:
+        path = "avx512_bf16" if cpu_attention.available() else None
+    log.info("a bf16 model's prefill attention runs %s", {
+        "amx": "on AMX tiles (dsv4/kernels/cpu_attention.py)", "onednn": "with its logits on AMX (oneDNN's bf16 products)",
+        "avx512_bf16": "with its logits on AVX512-BF16 (dsv4/kernels/cpu_attention.py)", None: "in fp32"}[path])
     return path
 
 

@@ -1,7 +1,9 @@
 """The AVX512-BF16 attention kernels (dsv4/kernels/cpu_attention.py) over sweeps of shapes (head dims
 and key counts off their 32- and 16-wide steps): the band softmax against the same weights in float64
 torch ops, with blocks' bands as the model lays them out (overlapping views of one source), masks
-shared by the batch, rows that see nothing but the sink, one thread against several; the decode
+shared by the batch, rows that see nothing but the sink, one thread against several; the AMX band
+attention against the model's attention in float64, with bands off their 32-wide steps, blocks that
+overrun the chunk, source rows that end before the last band (read as zeros); the decode
 attention against the model's torch op, reading strided pools in place, bf16 and fp32, tokens on a
 thread each and on the whole team."""
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from dsv4.kernels import cpu_attention
-from dsv4.model.attention import decode_sink_attention
+from dsv4.model.attention import banded_sink_attention, decode_sink_attention
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(),
                                 reason="this CPU has no AVX512-BF16 (or no C compiler builds the kernel)")
@@ -114,6 +116,88 @@ def test_layouts_the_kernel_cannot_read_are_refused():
         cpu_attention.band_softmax(q, raw, raw_allowed, sink, compressed, None, scale=1.0)
     with pytest.raises(RuntimeError, match="fp32"):
         cpu_attention.band_softmax(q.bfloat16(), raw, raw_allowed, sink, scale=1.0)
+
+
+needs_amx = pytest.mark.skipif(not cpu_attention.amx_available(), reason="this CPU has no AMX tiles for bf16")
+
+# (batch, blocks, queries a block, heads, band rows, compressed rows, head dim, queries, source rows)
+TILE_SHAPES = [(1, 16, 16, 16, 144, 64, 512, 256, 384), (2, 3, 16, 3, 37, 0, 64, 40, 69), (1, 1, 37, 16, 48, 5, 512, 37, 37),
+               (2, 4, 32, 5, 160, 17, 96, 100, 150), (1, 2, 16, 1, 20, 33, 32, 17, 36), (3, 2, 64, 2, 191, 40, 128, 128, 255)]
+
+
+def tile_inputs(shape, seed):
+    """bf16 operands as the model hands them over: q [B, L, H, D]; the bands' source rows [B, R, D] as
+    a view of a wider buffer whose rows past R hold NaN (the kernel must read them as zeros)."""
+    batch, blocks, block, heads, keys, count, dim, length, source_rows = shape
+    g = torch.Generator().manual_seed(seed)
+
+    def bf16(*size):
+        return torch.randn(*size, generator=g).bfloat16()
+
+    buffer = bf16(batch, (blocks - 1) * block + keys + 64, dim)
+    buffer[:, source_rows:] = float("nan")
+    raw_allowed = (torch.rand(1, blocks, block, keys, generator=g) < 0.7).expand(batch, -1, -1, -1)
+    compressed = compressed_allowed = None
+    if count:
+        compressed = bf16(batch, count, dim)
+        compressed_allowed = torch.rand(batch, blocks, block, count, generator=g) < 0.5
+    return bf16(batch, length, heads, dim), buffer[:, :source_rows], raw_allowed, torch.randn(heads, generator=g) * 3, \
+        compressed, compressed_allowed
+
+
+def tile_expected(q, rows, raw_allowed, sink, compressed, compressed_allowed, block, scale):
+    """The model's attention in float64 over the same values, [B, L, H, D]."""
+    (batch, length), (blocks, keys) = q.shape[:2], raw_allowed.shape[1::2]
+    height = (blocks - 1) * block + keys
+    source = torch.cat([rows.double(), rows.new_zeros(batch, max(0, height - rows.shape[1]), q.shape[-1]).double()], 1)
+    raw = source[:, :height].unfold(1, keys, block).transpose(-1, -2)
+    queries = torch.nn.functional.pad(q.double(), (0, 0, 0, 0, 0, blocks * block - length)).unflatten(1, (blocks, block))
+    extra = () if compressed is None else (compressed.double(), compressed_allowed)
+    return banded_sink_attention(queries, raw, raw_allowed, sink.double(), *extra, scale=scale).flatten(1, 2)[:, :length]
+
+
+@needs_amx
+@pytest.mark.parametrize("shape", TILE_SHAPES)
+def test_band_attention_equals_the_float64_attention(shape):
+    block, scale = shape[2], shape[6] ** -0.5
+    for seed in range(2):
+        args = tile_inputs(shape, seed)
+        got = cpu_attention.band_attention(*args, block=block, scale=scale)
+        want = tile_expected(*args, block, scale)
+        assert got.dtype == torch.bfloat16 and got.shape == args[0].shape
+        # the float64 result rounded once to bf16 (half a bf16 step: 2^-8 of the value at most), give or
+        # take fp32 sums' rounding
+        assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5 * want.abs().max()).all(), (shape, seed)
+        assert (got == want.bfloat16()).double().mean() > 0.998, (shape, seed)  # (an inexact split: ~0.5% differ)
+
+
+@needs_amx
+def test_band_attention_on_one_thread_computes_the_same_bits_as_on_several():
+    args = tile_inputs(TILE_SHAPES[0], 3)
+    several = cpu_attention.band_attention(*args, block=16, scale=0.05)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = cpu_attention.band_attention(*args, block=16, scale=0.05)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, several)
+
+
+@needs_amx
+def test_band_attention_refuses_layouts_it_cannot_read():
+    q, rows, raw_allowed, sink, compressed, _ = tile_inputs(TILE_SHAPES[3], 0)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_attention.band_attention(q[..., :48], rows[..., :48], raw_allowed, sink, block=32, scale=1.0)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_attention.band_attention(q.transpose(1, 2).contiguous().transpose(1, 2), rows, raw_allowed, sink, block=32,
+                                     scale=1.0)
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        cpu_attention.band_attention(q, rows, raw_allowed[:, :, :24], sink, block=24, scale=1.0)
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_attention.band_attention(q.float(), rows, raw_allowed, sink, block=32, scale=1.0)
+    with pytest.raises(RuntimeError, match="compressed"):
+        cpu_attention.band_attention(q, rows, raw_allowed, sink, compressed, None, block=32, scale=1.0)
 
 
 # (tokens, heads, head dim, ring rows, compressed rows a token, slots, pages, rows a page)

@@ -1,6 +1,6 @@
-"""The MoE of a decode step's few tokens for a bf16 model on AVX512-BF16 (cpu/moe.c): after the
-routing and sort (dsv4.model.moe.dispatch), every pick's expert and every token's shared expert
-read where they lie, rounded where dsv4.model.moe.grouped rounds. Its oracle is `grouped` (its test
+"""The MoE of a decode step's tokens for a bf16 model on AVX512-BF16 (cpu/moe.c): after the routing
+and sort (dsv4.model.moe.dispatch), each expert's weights and the shared expert's read once where
+they lie, against all of their picks, rounded where dsv4.model.moe.grouped rounds. Its oracle is `grouped` (its test
 runs both against each other and against float64)."""
 
 from __future__ import annotations
@@ -11,7 +11,11 @@ import torch
 
 from .cpu_library import available, entry
 
-__all__ = ["available", "moe_few"]
+__all__ = ["KERNEL_TOKENS", "available", "moe_few"]
+
+# The most tokens the model sends through the kernel rather than the grouped matmuls (decode steps of up
+# to 32 requests; the grouped matmuls win from ~48 tokens on, where the tiles' products pay for the sort)
+KERNEL_TOKENS = 32
 
 
 def moe_few(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor,

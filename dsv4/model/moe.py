@@ -3,8 +3,8 @@ every expert runs over its tokens in one grouped matmul per projection (`F.group
 up projections fused, then the down projection), and the results are summed back; each expert's rows
 are padded with zero rows to a multiple of GROUP_ROWS, so its matmuls come in a few shapes. For the
 few tokens of a decode step, compiled, `few` reads each pick's expert in place instead (no sort, no
-grouped matmul); on a CPU with AVX512-BF16, a bf16 model's decode steps run the same sums after the
-compiled dispatch as one C kernel instead (dsv4/kernels/cpu_moe.py).
+grouped matmul); on a CPU with AVX512-BF16, a bf16 model's forwards of up to cpu_moe.KERNEL_TOKENS
+tokens run the same sums after the compiled dispatch as one C kernel instead (dsv4/kernels/cpu_moe.py).
 
 Routing: scores s = score_fn(x @ W_gate^T) in at least fp32; learned layers pick the top-k of s + bias
 (the bias only steers selection), hash layers pick tid2eid[token id]; the picks are weighted by their
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from dsv4.config import ModelConfig
 from dsv4.kernels import cpu_moe
 
-from .ops import FEW_TOKENS, accumulation_dtype, linear, row_linear
+from .ops import accumulation_dtype, linear, row_linear
 from .sharding import Reducer, ShardPlan
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -58,8 +58,9 @@ class GroupedMoE:
         if cfg.n_shared_experts:
             self.shared = (torch.cat([w("shared_experts.w1.weight"), w("shared_experts.w3.weight")]),
                            w("shared_experts.w2.weight"))
-        # Decode steps through the C kernel: bf16 weights on a CPU that runs it (a c=1 decode step of
-        # `small` on a Xeon with AMX, in process, alternated: 12.7..13.0 -> 11.9..12.2 ms)
+        # Decode steps through the C kernel: bf16 weights on a CPU that runs it (decode steps of `small` on
+        # a Xeon with AMX, in process, alternated: 1 request 12.7..13.0 -> 11.9..12.2 ms against `few`; 8
+        # requests 29.2..30.5 -> 24.7..24.9 ms and 32 requests 50.0..50.2 -> 48.0..48.3 against `grouped`)
         self.kernel = (self.w13.device.type == "cpu" and self.w13.dtype == torch.bfloat16
                        and self.w13.dtype == self.w2.dtype and cpu_moe.available())
 
@@ -67,7 +68,7 @@ class GroupedMoE:
         """x [T, hidden] (ffn_norm'ed), token_ids [T] -> [T, hidden]. `moe`: `grouped` or `few` with the
         model's constants bound, eager or compiled (dsv4.model.compile.Pieces.moe); `dispatch` likewise
         (Pieces.moe_dispatch), which the C kernel's decode steps follow."""
-        if self.kernel and x.shape[0] <= FEW_TOKENS:
+        if self.kernel and x.shape[0] <= cpu_moe.KERNEL_TOKENS:
             _, places, tokens, ends, scale, keep = dispatch(x, token_ids, *self.router)
             out = cpu_moe.moe_few(x, tokens, places, ends, scale, keep, self.w13, self.w2, *self.shared,
                                   swiglu_limit=self.swiglu_limit)

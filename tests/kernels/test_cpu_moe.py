@@ -28,10 +28,12 @@ def experts_of(seed: int, experts: int, hidden: int, inter: int, shared: int):
 
 @pytest.mark.parametrize("tokens,experts,hidden,inter,shared,top_k,rank", [
     (1, 8, 512, 256, 256, 2, None), (4, 8, 512, 256, 256, 2, None), (3, 6, 96, 40, 0, 3, None),
-    (2, 4, 72, 40, 24, 2, (1, 2)), (1, 16, 48, 24, 40, 4, (0, 5))])
+    (2, 4, 72, 40, 24, 2, (1, 2)), (1, 16, 48, 24, 40, 4, (0, 5)), (32, 8, 512, 256, 256, 2, None),
+    (19, 6, 96, 40, 24, 3, (1, 4)), (cpu_moe.KERNEL_TOKENS, 16, 64, 32, 0, 6, None)])
 def test_matches_grouped(tokens, experts, hidden, inter, shared, top_k, rank):
     """Scored routing (its bias random so picks spread); `rank`: (first, count) of a tensor-parallel
-    rank's experts, whose other picks drop out. Widths past a multiple of 32 exercise the kernel's masked tails."""
+    rank's experts, whose other picks drop out. Widths past a multiple of 32 exercise the kernel's masked tails;
+    token counts past a few give experts picks in every number of the kernel's blocks of rows."""
     gate, w13, w2, (shared_w13, shared_w2) = experts_of(tokens * 7 + hidden, experts, hidden, inter, shared)
     first, local = rank or (0, experts)
     w13, w2 = w13[first:first + local], w2[first:first + local]
@@ -77,8 +79,8 @@ def float64_moe(x, tokens, places, ends, scale, keep, w13, w2, shared_w13, share
 
 def test_one_thread_gives_the_same_bits():
     gate, w13, w2, (shared_w13, shared_w2) = experts_of(0, 8, 512, 256, 256)
-    x = torch.randn(3, 512).bfloat16()
-    picks = moe.dispatch(x, torch.arange(3), gate, torch.zeros(8), first_expert=0, local_experts=8, top_k=2,
+    x = torch.randn(13, 512).bfloat16()
+    picks = moe.dispatch(x, torch.arange(13), gate, torch.zeros(8), first_expert=0, local_experts=8, top_k=2,
                          scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=1.0)[1:]
     before = torch.get_num_threads()
     try:

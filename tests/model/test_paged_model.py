@@ -187,11 +187,13 @@ def test_fp8_main_rows(model, prompt):
 
 
 def test_bfloat16_runs_close_to_reference(model, prompt):
-    """bf16 compute: different but equally valid rounding orders keep logits within a few percent."""
+    """bf16 compute: different but equally valid rounding orders keep logits within a few percent. (On a
+    CPU with the C kernels: chunks of 150 tokens through the grouped MoE, of 1, 20 and 29 through the
+    MoE kernel.)"""
     ids = prompt[:200]
     want = reference_logits(model, ids, dtype=torch.bfloat16, index_key_dtype="fp8")
     runner = make_runner(model, dtype="bfloat16", index_key_dtype="fp8")
-    for last, logits in run_chunks(runner, ids, [150, 1, 49]):
+    for last, logits in run_chunks(runner, ids, [150, 1, 20, 29]):
         assert_close(logits, want[last], f"bf16, position {last}", rel=5e-2)
 
 

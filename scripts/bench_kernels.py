@@ -2,9 +2,12 @@
 
 --device cpu   the indexer's CPU fast path (the vectorised torch path the dispatcher picks on CPU)
                against the paged reference indexer, at 4K, 16K and 64K tokens of context, timed
-               in the same run and reported as a speedup (what `make bench` reads). One torch
-               thread by default: on a shared machine, a stolen core stalls a multi-threaded op
-               several-fold and the ratio would measure the neighbours.
+               in the same run and reported as a speedup (what `make bench` reads); then the CPU
+               path's C kernels at the `small` preset's shapes against the torch code they replace
+               (where this CPU runs them): a bf16 prefill chunk's attention on AMX tiles, the bf16
+               MoE of 1, 8 and 32 tokens. One torch thread by default: on a shared machine, a
+               stolen core stalls a multi-threaded op several-fold and the ratio would measure the
+               neighbours.
 --device cuda  achieved memory bandwidth of the Triton kernels: indexer top-k at 8K, 64K and 1M
                tokens of context, and CSA decode attention (128 window + 512 selected rows) at
                batch 1, 32 and 128; GB/s and % of the device's peak (table below, or --peak-gbps).
@@ -23,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 
 import torch
 
-from dsv4.kernels import dispatch
+from dsv4.kernels import cpu_attention, cpu_moe, dispatch
 from dsv4.kernels.indexer_topk import indexer_topk_torch
 from dsv4.kernels.rows import index_row_bytes, main_row_bytes, pack_index_rows, pack_main_rows
+from dsv4.model import moe
+from dsv4.model.attention import banded_sink_attention
 from dsv4.reference.paged_ops import indexer_topk_paged
 
 # Peak HBM bandwidth, GB/s, by a substring of torch.cuda.get_device_name(); longest match wins.
@@ -144,6 +149,54 @@ def cpu_suite(contexts, batch: int, repeats: int) -> None:
         print(f"{context:>9} {context // 4:>7} {fast * 1e3:>9.2f} {reference * 1e3:>13.2f} {reference / fast:>7.1f}x")
 
 
+def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
+    """The C kernels (dsv4/kernels/cpu_*.py) against the torch code the model runs without them, at the
+    `small` preset's shapes (16 heads x 512 dims, a 128-row window; 8 experts of 256, top-2, a shared one)."""
+    gen = torch.Generator().manual_seed(0)
+    print(f"CPU kernels against the torch code they replace; best of {repeats}, {torch.get_num_threads()} torch thread(s)")
+    print(f"{'case':>44} {'kernel ms':>10} {'torch ms':>9} {'speedup':>8}")
+    if cpu_attention.amx_available():
+        blocks, block, heads, band, count, dim = (2 if smoke else 16), 16, 16, 144, 64, 512
+        length = blocks * block
+        q = torch.randn(1, length, heads, dim, generator=gen).bfloat16()
+        rows = torch.randn(1, (blocks - 1) * block + band, dim, generator=gen).bfloat16()
+        allowed = torch.rand(1, blocks, block, band, generator=gen) < 0.9
+        compressed = torch.randn(1, count, dim, generator=gen).bfloat16()
+        compressed_allowed = torch.rand(1, blocks, block, count, generator=gen) < 0.5
+        sink, scale = torch.randn(heads, generator=gen), dim**-0.5
+
+        def torch_ops():  # as the model runs it without the kernel: fp32 operands, logits on oneDNN's bf16 products
+            raw = rows.float().unfold(1, band, block).transpose(-1, -2)
+            return banded_sink_attention(q.float().unflatten(1, (blocks, block)), raw, allowed, sink, compressed.float(),
+                                         compressed_allowed, scale=scale, exact_bf16=True).bfloat16()
+
+        kernel, reference = time_cpu(partial(cpu_attention.band_attention, q, rows, allowed, sink, compressed,
+                                             compressed_allowed, block=block, scale=scale), torch_ops, repeats=repeats)
+        print(f"{f'bf16 prefill attention, {length}-token chunk (AMX)':>44} {kernel * 1e3:>10.2f} "
+              f"{reference * 1e3:>9.2f} {reference / kernel:>7.1f}x")
+    if cpu_moe.available():
+        experts, hidden, inter, top_k = 8, 512, 256, 2
+        w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).bfloat16()
+        w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).bfloat16()
+        shared = ((torch.randn(2 * inter, hidden, generator=gen) * hidden**-0.5).bfloat16(),
+                  (torch.randn(hidden, inter, generator=gen) * inter**-0.5).bfloat16())
+        gate, bias = torch.randn(experts, hidden, generator=gen) * hidden**-0.5, torch.randn(experts, generator=gen)
+        route = partial(moe.dispatch, first_expert=0, local_experts=experts, top_k=top_k, scoring_func="sqrtsoftplus",
+                        norm_topk_prob=True, routed_scaling_factor=1.5)
+        grouped = partial(moe.grouped, dispatch=route, combine=partial(moe.combine, swiglu_limit=10.0), swiglu_limit=10.0)
+        for tokens in (1,) if smoke else (1, 8, 32):
+            x, ids = torch.randn(tokens, hidden, generator=gen).bfloat16(), torch.arange(tokens)
+
+            def kernel_moe(x=x, ids=ids):  # after the same routing and sort
+                _, places, picked, ends, weights, keep = route(x, ids, gate, bias)
+                return cpu_moe.moe_few(x, picked, places, ends, weights, keep, w13, w2, *shared, swiglu_limit=10.0)
+
+            kernel, reference = time_cpu(kernel_moe, partial(grouped, x, ids, gate, bias, w13, w2, *shared),
+                                         repeats=repeats)
+            print(f"{f'bf16 MoE, {tokens} token(s), with the routing':>44} {kernel * 1e3:>10.2f} {reference * 1e3:>9.2f} "
+                  f"{reference / kernel:>7.1f}x")
+
+
 def cuda_suite(device: str, contexts, indexer_batch: int, batches, attention_context: int, peak: float | None,
                timer) -> None:
     gen = torch.Generator().manual_seed(0)
@@ -179,6 +232,7 @@ def main(argv=None) -> int:
             cpu_suite(SMOKE_CONTEXTS[:1], 1, repeats=1)
         else:
             cpu_suite(CPU_CONTEXTS, CPU_BATCH, args.repeats)
+        cpu_kernels_suite(1 if args.smoke else args.repeats, args.smoke)
         return 0
     if args.smoke:
         cuda_suite("cpu", SMOKE_CONTEXTS, 1, SMOKE_BATCHES, SMOKE_CONTEXTS[-1], args.peak_gbps,

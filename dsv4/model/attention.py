@@ -14,9 +14,9 @@ raw rows and the rows this chunk just compressed included, exactly as the refere
 
 With `kernels` (on CUDA), the indexer's selection, the attention and the compressors' inserts run
 as the dispatcher's ops (`dsv4.kernels.dispatch`: Triton on CUDA tensors) over the whole batch,
-reading the pools directly; the torch code above is the CPU path, where on a CPU with AVX512-BF16
-a bf16 model's prefill logits and softmax, and the attention of decode tokens, run as C kernels
-(dsv4/kernels/cpu_attention.py).
+reading the pools directly; the torch code above is the CPU path, where a bf16 model's prefill
+attention runs as a C kernel on a CPU with AMX tiles (on one with AVX512-BF16 alone, its logits and
+softmax do), and so does the attention of decode tokens on either (dsv4/kernels/cpu_attention.py).
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ class PagedAttention:
         self.rest_start, self.rest_widths = sum(part.shape[0] for part in inputs[:2]), [part.shape[0] for part in inputs[2:]]
         # (`project_inputs`' weights, in its order)
         self.input_weights = (torch.cat(inputs), self.q_norm, self.wq_b, self.kv_norm)
-        # On the CPU: a bf16 model's prefill logits on the CPU's bf16 units (`bf16_logits`; its queries and
-        # rows hold bf16 values); a model that stores its rows in its own dtype (bf16 or fp32), its decode
+        # On the CPU: a bf16 model's prefill attention on the CPU's bf16 units (`bf16_logits`: with AMX the
+        # whole attention on its tiles, else the logits; its queries and rows hold bf16 values); a model that stores its rows in its own dtype (bf16 or fp32), its decode
         # tokens' attention as the AVX512-BF16 CPU's kernel that reads them in place
         # (dsv4/kernels/cpu_attention.py): at 32 decodes of `small` in bf16, 1.2 ms a layer against
         # 6.4..7.3 for the gather and the eager attention; in a step against the compiled attention, 32

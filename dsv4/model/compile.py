@@ -26,8 +26,9 @@ much of a layer's small ops:
 - for forwards of at most `ops.FEW_TOKENS` tokens (decode steps), the whole MoE (`moe_few`,
   dsv4.model.moe.few, one per routing kind), which reads each pick's expert where it lies with
   `ops.row_linear` (a c=1 decode step's MoE of `small` took 1.8 against 7.1 ms); a bf16 model on an
-  AVX512-BF16 CPU runs the dispatch package and a C kernel there instead (dsv4/kernels/cpu_moe.py;
-  its `moe_few` packages are still compiled, unused).
+  AVX512-BF16 CPU runs the dispatch package and a C kernel instead in forwards of up to
+  `cpu_moe.KERNEL_TOKENS` tokens (dsv4/kernels/cpu_moe.py; its `moe_few` packages are still
+  compiled, unused).
 Compiled, each is one call of fused C++ kernels around its matmuls. Ahead of time rather than
 `torch.compile`'s just-in-time form because a call then skips dynamo's guards on every input: in a
 c=1 decode step (small, fp32, in process, alternated runs) the jit-compiled collapse took 207 us a

@@ -1,5 +1,6 @@
-/* The MoE of a decode step's tokens (up to cpu_moe.KERNEL_TOKENS) on AVX512-BF16 (dsv4/kernels/cpu_moe.py), for a bf16 model:
- * every routed pick and every token's shared expert read their weights where they lie, as dot
+/* The MoE of a decode step's tokens (up to cpu_moe.KERNEL_TOKENS) on AVX512-BF16
+ * (dsv4/kernels/cpu_moe.py), for a bf16 model: every routed pick and every token's shared expert
+ * read their weights where they lie, as dot
  * products of bf16 pairs summed in fp32 (vdpbf16ps: exact products, the sums of fp32 arithmetic in
  * another order), rounded into bf16 where the grouped matmuls round (dsv4.model.moe.grouped): the
  * gate and up projections, the SwiGLU's silu and product, each expert's down projection; the picks'

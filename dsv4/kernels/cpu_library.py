@@ -27,12 +27,14 @@ _HEADERS = tuple(sorted((Path(__file__).with_name("cpu")).glob("*.h")))
 _FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC", "-fopenmp")
 BUILD_TIMEOUT_S = 120
 _POINTER, _PARAMS = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)
-# Each entry's arguments: its tensors' data pointers, the shapes and strides (int64[]), a float, the threads
+# Each entry's arguments: its tensors' data pointers, the shapes and strides (int64[]), a float or two, the
+# threads
 _SIGNATURES = {
     "band_softmax": [_POINTER] * 9 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "decode_attention": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "moe_few": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "band_attention": [_POINTER] * 7 + [_PARAMS, ctypes.c_float, ctypes.c_int],
+    "mhc_mix": [_POINTER] * 12 + [_PARAMS, ctypes.c_float, ctypes.c_float, ctypes.c_int],
     "amx_ready": [],
 }
 

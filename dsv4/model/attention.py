@@ -36,7 +36,6 @@ from dsv4.kernels import rows as row_formats
 from dsv4.memory.pools import StatePools, put_rows, take_rows
 
 from .compressor import PagedCompressor
-from .mhc import mix
 from .ops import Rope, accumulation_dtype, linear, rms_norm, rotate_
 from .plan import AttentionGroup, BatchPlan, CompressedRows
 from .selection import IndexerSelection, SelectionSink
@@ -322,10 +321,11 @@ def _decodes_wrote_ring(plan: BatchPlan) -> bool:
 
 def project_inputs(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor, wq_b: torch.Tensor,
                    kv_norm: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, *, eps: float,
-                   product: Callable = linear) -> AttentionInputs:
+                   product: Callable = linear) -> tuple[torch.Tensor, ...]:
     """Every projection of the layer input x [T, hidden] as one product (`w_input`: wq_a, wkv, then the
     rest), the query and raw-row norms and their rotation at the tokens' positions (RoPE tables cos2,
-    sin2 [T, R]). Shapes come from the weights, so one compiled form serves every layer (the part past
+    sin2 [T, R]): AttentionInputs' fields after x (q, kv, qr, projected), a plain tuple as compiled
+    pieces return. Shapes come from the weights, so one compiled form serves every layer (the part past
     wq_a | wkv, empty in window layers, is left in the product: sliced out here, its width would be
     specialised). `product`: `linear`, or `ops.decode_linear` in the compiled pieces of decode steps."""
     q_rank, head_dim = q_norm.shape[0], kv_norm.shape[0]
@@ -335,22 +335,7 @@ def project_inputs(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor,
     q = product(qr, wq_b).unflatten(-1, (-1, head_dim))
     q = rotate_(rms_norm(q, None, eps), cos2, sin2)
     kv = rotate_(rms_norm(kv, kv_norm, eps), cos2, sin2)
-    return AttentionInputs(x, q, kv, qr, projected)
-
-
-def attention_entry(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                    fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor, w_input: torch.Tensor,
-                    q_norm: torch.Tensor, wq_b: torch.Tensor, kv_norm: torch.Tensor, cos2: torch.Tensor,
-                    sin2: torch.Tensor, *, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-                    product: Callable = linear):
-    """From a layer's incoming residual to its attention's projected input: `mix` (the last sublayer's
-    output written, the attention's input collapsed and normed), then `project_inputs`. Returns
-    (streams, post, comb, *AttentionInputs): one piece, so that one compiled call covers all of it.
-    `product`: as `project_inputs`'."""
-    streams, x, post, comb = mix(streams, output, post, comb, fn, base, scale, norm, n=n,
-                                 sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
-    return (streams, post, comb, *project_inputs(x, w_input, q_norm, wq_b, kv_norm, cos2, sin2, eps=norm_eps,
-                                                 product=product))
+    return q, kv, qr, projected
 
 
 def attention_exit(out: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, wo_a: torch.Tensor,

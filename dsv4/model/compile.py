@@ -101,6 +101,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from dsv4.config import ModelConfig
+from dsv4.kernels import cpu_mhc
 
 from . import attention, compressor, mhc, moe, ops, package_cache
 
@@ -117,8 +118,8 @@ class Pieces:
     """The implementations the model calls for its compilable pieces (tensors in, tensors out), each
     with the model's constants (and this rank's experts) bound."""
 
-    mix: Callable  # mhc.mix
-    attention_entry: Callable  # attention.attention_entry
+    mix: Callable  # mhc.mix (or its C kernel, cpu_mhc.mix)
+    project_inputs: Callable  # attention.project_inputs
     attend: Callable  # attention.banded_sink_attention (eager: prefill chunks' query blocks)
     attend_decodes: Callable  # attention.decode_sink_attention
     attention_exit: Callable  # attention.attention_exit
@@ -129,11 +130,14 @@ class Pieces:
     compiled: bool
 
 
-def eager_pieces(cfg: ModelConfig, experts: range) -> Pieces:
+def eager_pieces(cfg: ModelConfig, experts: range, dtype: torch.dtype, device: torch.device) -> Pieces:
+    """The pieces uncompiled, for a model of `dtype` on `device`: its `mix` the C kernel where that serves
+    it (`cpu_mhc.serves`), which no compiled package replaces."""
     constants = _constants(cfg)
     dispatch = functools.partial(moe.dispatch, **moe.dispatch_constants(cfg, experts))
-    return Pieces(mix=functools.partial(mhc.mix, **constants),
-                  attention_entry=functools.partial(attention.attention_entry, **constants),
+    mix_kernel = cpu_mhc.serves(dtype, device, cfg.hc_mult)
+    return Pieces(mix=functools.partial(cpu_mhc.mix if mix_kernel else mhc.mix, **constants),
+                  project_inputs=functools.partial(attention.project_inputs, eps=cfg.rms_norm_eps),
                   attend=functools.partial(attention.banded_sink_attention, scale=attention.softmax_scale(cfg)),
                   attend_decodes=functools.partial(attention.decode_sink_attention, scale=attention.softmax_scale(cfg)),
                   attention_exit=attention.attention_exit, compressor_feed=compressor.feed,
@@ -148,10 +152,12 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path, threads: int)
     """`model`'s pieces compiled (or loaded from `cache`), for its weights' shapes and dtypes and for
     forwards on `threads` threads; its eager pieces if that takes over `timeout` s or fails."""
     experts = model.blocks[0].ffn.experts
-    eager = eager_pieces(model.cfg, experts)
+    eager = eager_pieces(model.cfg, experts, model.dtype, model.embed.device)
     products = _decode_products(model, threads)
     twins = _bf16_twins(model) if products else {}
     examples = _examples(model, twins)
+    if eager.mix.func is cpu_mhc.mix:  # (the C kernel's mix serves every batch)
+        del examples["mix"]
     key = _key(model.cfg, experts, examples, products)
     packages = {name: cache / f"{name}-{key}.pt2" for name in examples}
     started = time.monotonic()
@@ -205,7 +211,7 @@ def _decode_products(model: PagedModel, threads: int) -> bool:
 # of at most DECODE_TOKENS tokens, with `ops.decode_linear`'s products where they pay (`_decode_products`);
 # `<name>_some`, where there is one (`_weight_first`), those of at most WEIGHT_FIRST_TOKENS with
 # `ops.weight_first_linear`'s; `<name>_many` the rest.
-_BY_TOKENS = ("attention_entry", "attention_exit")
+_BY_TOKENS = ("project_inputs", "attention_exit")
 # Packages (by name prefix) whose fused kernels run on one thread
 _ONE_THREAD = ("mix", "compressor_feed", "index_queries", "moe_dispatch", "moe_combine")
 
@@ -280,7 +286,8 @@ def _assemble(eager: Pieces, compiled: dict[str, Callable], twins: dict[int, tup
     entry, exit_ = (by_tokens([(tier, compiled[tier]) for tier in (name, f"{name}_some") if tier in compiled],
                               compiled[f"{name}_many"]) for name in _BY_TOKENS)
     # (a model of window layers alone has no compressor to compile a feed for, nor index queries)
-    return Pieces(mix=compiled["mix"], attention_entry=entry, attend=eager.attend, attend_decodes=attend_decodes,
+    return Pieces(mix=compiled.get("mix", eager.mix), project_inputs=entry, attend=eager.attend,
+                  attend_decodes=attend_decodes,
                   attention_exit=exit_,
                   compressor_feed=compiled.get("compressor_feed", eager.compressor_feed),
                   index_queries=compiled.get("index_queries", eager.index_queries),
@@ -309,9 +316,9 @@ def _modules(cfg: ModelConfig, experts: range, decode_products: bool) -> dict[st
     product = ops.decode_linear if decode_products else ops.linear
     return {
         "mix": _Piece(mhc.mix, **constants),
-        "attention_entry": _Piece(attention.attention_entry, **constants, product=product),
-        "attention_entry_some": _Piece(attention.attention_entry, **constants, product=ops.weight_first_linear),
-        "attention_entry_many": _Piece(attention.attention_entry, **constants),
+        "project_inputs": _Piece(attention.project_inputs, eps=cfg.rms_norm_eps, product=product),
+        "project_inputs_some": _Piece(attention.project_inputs, eps=cfg.rms_norm_eps, product=ops.weight_first_linear),
+        "project_inputs_many": _Piece(attention.project_inputs, eps=cfg.rms_norm_eps),
         "attend_decodes": _Piece(attention.decode_sink_attention, scale=attention.softmax_scale(cfg)),
         "attend_decodes_compressed": _Piece(attention.decode_sink_attention, scale=attention.softmax_scale(cfg)),
         "attention_exit": _Piece(attention.attention_exit, product=product),
@@ -351,9 +358,9 @@ def _examples(model: PagedModel, twins: dict[int, tuple[torch.Tensor, torch.Tens
               torch.zeros(batch, dtype=torch.long, device=device), block.attn.sink)
     compressed = (torch.zeros(batch, rows, dim, dtype=rows_dtype, device=device),
                   *(torch.ones(batch, rows, dtype=torch.bool, device=device) for _ in range(2)))
-    entry = (*residual, *block.attn_hc.weights, *block.attn.input_weights, cos2, sin2)
+    entry = (torch.zeros(tokens, hidden, dtype=dtype, device=device), *block.attn.input_weights, cos2, sin2)
     exit_ = (torch.zeros(tokens, heads, dim, dtype=dtype, device=device), cos2, sin2, block.attn.wo_a, block.attn.wo_b)
-    examples = {"mix": (*residual, *block.ffn_hc.weights), "attention_entry": entry, "attend_decodes": attend,
+    examples = {"mix": (*residual, *block.ffn_hc.weights), "project_inputs": entry, "attend_decodes": attend,
                 "attend_decodes_compressed": (*attend, *compressed), "attention_exit": exit_}
     # A compressor's feed at sizes of its own each (2 tokens, 3 state rows read, 5 windows of 7 slots, 9
     # rows updated; an ape of 13 x 17): every compressor of the model has other ratios and widths.
@@ -433,13 +440,13 @@ def _dynamic_shapes(name: str, example: tuple[torch.Tensor, ...]) -> list:
         return [{0: tokens}, {0: tokens}, {0: tokens}, None, None]
     if name == "index_queries":
         return [{0: tokens}, {0: tokens}, None, {0: tokens}, {0: tokens}]
-    residual = [{0: tokens}] * 4
     if name == "mix":
-        return [*residual, None, None, None, None]
-    # wq_a | wkv | the rest, which window, HCA and CSA layers size differently (window layers: empty)
-    q_norm, kv_norm = example[9], example[11]
+        return [{0: tokens}] * 4 + [None] * 4
+    # (x, w_input, q_norm, wq_b, kv_norm, cos2, sin2); w_input: wq_a | wkv | the rest, which window, HCA
+    # and CSA layers size differently (window layers: empty)
+    q_norm, kv_norm = example[2], example[4]
     width = torch.export.Dim("input_width", min=q_norm.shape[0] + kv_norm.shape[0])
-    return [*residual, None, None, None, None, {0: width}, None, None, None, {0: tokens}, {0: tokens}]
+    return [{0: tokens}, {0: width}, None, None, None, {0: tokens}, {0: tokens}]
 
 
 def _load_or_compile_all(packages: dict[str, Path], examples: dict[str, tuple],

@@ -38,7 +38,7 @@ class PagedModel:
         # The implementations of the many-small-op pieces: eager until the runner swaps in compiled
         # ones, built for this model's shapes (dsv4/model/compile.py).
         shard = shard or ShardPlan(cfg)
-        self.pieces: Pieces = eager_pieces(cfg, shard.experts)
+        self.pieces: Pieces = eager_pieces(cfg, shard.experts, dtype, pools.device)
         self.kernels = pools.device.type == "cuda" if kernels is None else kernels
         w = _WeightReader(weights, dtype, accumulation_dtype(dtype), pools.device)
         self.embed, self.head, self.norm = w("embed.weight"), w("head.weight"), w("norm.weight")
@@ -82,9 +82,9 @@ class _Block:
     def __call__(self, residual: Residual, plan: BatchPlan, rope: Rope, on_selection: SelectionSink | None,
                  pieces: Pieces) -> Residual:
         """The residual of the batch's tokens; `rope` at the batch's positions."""
-        streams, post, comb, *inputs = pieces.attention_entry(*residual, *self.attn_hc.weights,
-                                                              *self.attn.input_weights, rope.cos2, rope.sin2)
-        y = self.attn(AttentionInputs(*inputs), plan, rope, on_selection, pieces)
+        streams, x, post, comb = pieces.mix(*residual, *self.attn_hc.weights)
+        inputs = AttentionInputs(x, *pieces.project_inputs(x, *self.attn.input_weights, rope.cos2, rope.sin2))
+        y = self.attn(inputs, plan, rope, on_selection, pieces)
         streams, x, post, comb = pieces.mix(streams, y, post, comb, *self.ffn_hc.weights)
         return Residual(streams, self.ffn(x, plan.token_ids, pieces.moe, pieces.moe_dispatch), post, comb)
 

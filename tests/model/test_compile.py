@@ -13,6 +13,7 @@ import torch
 
 from dsv4.config import ModelConfig, ServerArgs
 from dsv4.engine.runner import ModelRunner
+from dsv4.kernels import cpu_mhc
 from dsv4.model import compile, ops, package_cache
 from dsv4.protocol import ForwardBatch, ForwardChunk
 from dsv4.weights import load_state_dict
@@ -73,11 +74,13 @@ def test_compiled_model_equals_eager(model, caplog, compile_cache, monkeypatch):
     assert "compiling (once per machine)" in caplog.text and "compiled pieces ready" in caplog.text
     assert compile.BF16_COPIES_LOGGED in caplog.text
     packages = sorted(path.name.split("-")[0] for path in compile_cache.rglob("*.pt2"))
-    assert packages == ["attend_decodes", "attend_decodes_compressed", "attention_entry", "attention_entry_many",
-                        "attention_entry_some", "attention_exit", "attention_exit_many", "attention_exit_some",
-                        "compressor_feed", "index_queries", "mix", "moe_combine", "moe_dispatch_hash",
-                        "moe_dispatch_scored", "moe_few_hash", "moe_few_scored"]  # no partial one
-    assert "(16 of 16 packages" in caplog.text  # each compiled package logged as it lands
+    mix_kernel = cpu_mhc.serves(torch.float32, torch.device("cpu"), cfg.hc_mult)  # (no package replaces it)
+    assert packages == sorted(["attend_decodes", "attend_decodes_compressed", "attention_exit", "attention_exit_many",
+                               "attention_exit_some", "compressor_feed", "index_queries", "moe_combine",
+                               "moe_dispatch_hash", "moe_dispatch_scored", "moe_few_hash", "moe_few_scored",
+                               "project_inputs", "project_inputs_many", "project_inputs_some",
+                               *([] if mix_kernel else ["mix"])])  # no partial one
+    assert f"({len(packages)} of {len(packages)} packages" in caplog.text  # each compiled package logged as it lands
     # Packages of older builds, the oldest used long ago: a start keeps its own and the most recent others
     folder = next(compile_cache.rglob("*.pt2")).parent
     stale = {f"{i:016x}": folder / f"mix-{i:016x}.pt2" for i in range(package_cache.KEEP_KEYS)}
@@ -106,6 +109,7 @@ import logging, sys, torch
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 from dsv4.config import ModelConfig, ServerArgs
 from dsv4.engine.runner import ModelRunner
+from dsv4.kernels import cpu_mhc
 from dsv4.protocol import ForwardBatch, ForwardChunk
 from dsv4.weights import load_state_dict
 cfg = ModelConfig.from_json({str(tiny_ckpt)!r})
@@ -141,7 +145,7 @@ def test_decode_packages_equal_eager(model, compile_cache, dtype):
     served = compile._examples(m, {})  # what the model calls the pieces with
     rel = 2e-2 if dtype == "bfloat16" else 1e-5
     g = torch.Generator().manual_seed(5)
-    for name in ("attention_entry", "attention_exit", "attend_decodes_compressed", "moe_few_scored", "moe_few_hash"):
+    for name in ("project_inputs", "attention_exit", "attend_decodes_compressed", "moe_few_scored", "moe_few_hash"):
         if dtype == "float32" and name != "attend_decodes_compressed":
             assert any(t.dtype == torch.bfloat16 for t in examples[name]), name  # compiled for the twins
         piece = compile._load_or_compile(compile_cache / f"{name}-{dtype}.pt2", name, examples[name], modules[name])
@@ -192,16 +196,16 @@ def test_decode_products_follow_the_measured_lag_and_key_the_packages(model, mon
     experts, examples = m.blocks[0].ffn.experts, compile._examples(m, {})
     for products, product in ((True, ops.decode_linear), (False, ops.linear)):
         modules = compile._modules(cfg, experts, products)
-        assert modules["attention_entry"].constants["product"] is product
+        assert modules["project_inputs"].constants["product"] is product
         assert modules["attention_exit"].constants["product"] is product
-        assert "product" not in modules["attention_entry_many"].constants
+        assert "product" not in modules["project_inputs_many"].constants
     assert compile._key(cfg, experts, examples, True) != compile._key(cfg, experts, examples, False)
 
 
-# The arguments that have a row per token: the entry's residual (4) and RoPE tables (the last 2); the
+# The arguments that have a row per token: the projections' input and RoPE tables (the last 2); the
 # exit's attention output and tables; the decode attention's all but the sink; the MoE's input and
 # token ids
-_TOKEN_ARGS = {"attention_entry": (0, 1, 2, 3, 12, 13), "attention_exit": (0, 1, 2),
+_TOKEN_ARGS = {"project_inputs": (0, 5, 6), "attention_exit": (0, 1, 2),
                "attend_decodes_compressed": (0, 1, 2, 4, 5, 6), "moe_few_scored": (0, 1), "moe_few_hash": (0, 1)}
 
 

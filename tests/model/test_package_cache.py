@@ -9,7 +9,7 @@ def _key(i: int) -> str:
     return f"{i:016x}"
 
 
-def _packages(cache, key: str, used: float, pieces=("mix", "attention_entry_many")) -> list:
+def _packages(cache, key: str, used: float, pieces=("mix", "project_inputs_many")) -> list:
     paths = []
     for piece in pieces:
         path = cache / f"{piece}-{key}.pt2"

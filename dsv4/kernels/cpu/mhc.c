@@ -1,0 +1,215 @@
+/* The mHC mix between two sublayers (dsv4.model.mhc.mix, dsv4/kernels/cpu_mhc.py) for fp32 or bf16
+ * streams, one token at a time in fp32, rounded into the streams' dtype where mix rounds: the last
+ * sublayer's output written into the streams (`expand`), the mixing weights from the RMS-normalised
+ * streams (pre and post gates, the Sinkhorn-normalised comb), the next sublayer's input collapsed from
+ * the streams and RMS-normed. Compiled torch code spends most of this piece's time in ~40 one-threaded
+ * loops over the 4x4 Sinkhorn matrices and in separate passes over the streams; here a token's streams
+ * are read once and stay in cache for every step, and its Sinkhorn is scalar code on 16 numbers.
+ *
+ * Tokens are split over torch's OpenMP team (see attention.c) in groups of GROUP, which share each load
+ * of the mixing projection `fn` (it is read from the cache once per group rather than once per token). */
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "simd.h"
+
+/* p[]: tokens, streams per token (n), hidden size, Sinkhorn iterations, whether the streams are bf16 */
+enum { M_TOKENS, M_STREAMS, M_HIDDEN, M_ITERS, M_BF16, M_COUNT };
+enum { GROUP = 4, MIX_BLOCK = 4, MAX_STREAMS = 8, MAX_MIXES = (2 + MAX_STREAMS) * MAX_STREAMS };
+
+static inline __m512 load_row(const void *base, int64_t i, int bf16, __mmask16 m) {
+  if (bf16)
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i)), 16));
+  return _mm512_maskz_loadu_ps(m, (const float *)base + i);
+}
+
+/* v rounded into the streams' dtype (to nearest even, as torch rounds), stored, and returned as read back */
+static inline __m512 store_row(void *base, int64_t i, int bf16, __mmask16 m, __m512 v) {
+  if (!bf16) {
+    _mm512_mask_storeu_ps((float *)base + i, m, v);
+    return v;
+  }
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  _mm256_mask_storeu_epi16((uint16_t *)base + i, m, h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline float sum_squares(const float *row, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(first_lanes(n - i), row + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* sinkhorn for n = 4 (the model's) over GROUP tokens' matrices at once (independent chains of divisions
+ * in flight), each in one register (lane 4i + j: row i, column j): each row a 128-bit lane, each column
+ * the same place in the four. The sums are added in pairs rather than in order, and exp is
+ * exp_nonpositive's (within 2 ulp of expf). */
+static void sinkhorn4(float *const c[GROUP], int iters, float eps) {
+  const __m512 e = _mm512_set1_ps(eps);
+  __m512 v[GROUP], tmp;
+#define ROW_SUMS(x) (tmp = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1))), \
+                     _mm512_add_ps(tmp, _mm512_permute_ps(tmp, _MM_SHUFFLE(1, 0, 3, 2))))
+#define COLUMN_SUMS(x) (tmp = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1))), \
+                        _mm512_add_ps(tmp, _mm512_shuffle_f32x4(tmp, tmp, _MM_SHUFFLE(1, 0, 3, 2))))
+  for (int t = 0; t < GROUP; t++) {
+    v[t] = _mm512_loadu_ps(c[t]);
+    __m512 peak = _mm512_max_ps(v[t], _mm512_permute_ps(v[t], _MM_SHUFFLE(2, 3, 0, 1)));
+    peak = _mm512_max_ps(peak, _mm512_permute_ps(peak, _MM_SHUFFLE(1, 0, 3, 2)));
+    v[t] = exp_nonpositive(_mm512_sub_ps(v[t], peak));
+    v[t] = _mm512_add_ps(_mm512_div_ps(v[t], ROW_SUMS(v[t])), e);
+  }
+  for (int pass = 0; pass < iters; pass++)
+    for (int t = 0; t < GROUP; t++) {
+      if (pass > 0) v[t] = _mm512_div_ps(v[t], _mm512_add_ps(ROW_SUMS(v[t]), e));
+      v[t] = _mm512_div_ps(v[t], _mm512_add_ps(COLUMN_SUMS(v[t]), e));
+    }
+#undef ROW_SUMS
+#undef COLUMN_SUMS
+  for (int t = 0; t < GROUP; t++) _mm512_storeu_ps(c[t], v[t]);
+}
+
+/* Row softmax (+eps), then alternating column / row normalisation (`iters` column passes), in place:
+ * mhc._sinkhorn */
+static void sinkhorn(float *c, int n, int iters, float eps) {
+  for (int i = 0; i < n; i++) {
+    float peak = c[i * n], sum = 0.0f;
+    for (int j = 1; j < n; j++) peak = fmaxf(peak, c[i * n + j]);
+    for (int j = 0; j < n; j++) sum += c[i * n + j] = expf(c[i * n + j] - peak);
+    for (int j = 0; j < n; j++) c[i * n + j] = c[i * n + j] / sum + eps;
+  }
+  for (int pass = 0; pass < iters; pass++) {
+    if (pass > 0)
+      for (int i = 0; i < n; i++) {
+        float sum = 0.0f;
+        for (int j = 0; j < n; j++) sum += c[i * n + j];
+        for (int j = 0; j < n; j++) c[i * n + j] /= sum + eps;
+      }
+    for (int j = 0; j < n; j++) {
+      float sum = 0.0f;
+      for (int i = 0; i < n; i++) sum += c[i * n + j];
+      for (int i = 0; i < n; i++) c[i * n + j] /= sum + eps;
+    }
+  }
+}
+
+/* streams [T, n, H] and output [T, H] (the streams' dtype), post [T, n] and comb [T, n, n] fp32; the
+ * sublayer's fn [(2 + n) * n, n * H], base and scale [(2 + n) * n], norm [H], all fp32 -> new streams,
+ * the sublayer's normed input x [T, H] (the streams' dtype), its post and comb (fp32). */
+int mhc_mix(const void *streams, const void *output, const float *post, const float *comb, const float *fn,
+            const float *base, const float *scale, const float *norm, void *streams_out, void *x_out,
+            float *post_out, float *comb_out, const int64_t *p, float hc_eps, float norm_eps, int threads) {
+  const int64_t tokens = p[M_TOKENS], n = p[M_STREAMS], hidden = p[M_HIDDEN], width = n * hidden;
+  const int iters = (int)p[M_ITERS], bf16 = (int)p[M_BF16], mixes = (int)((2 + n) * n);
+  const int64_t groups = (tokens + GROUP - 1) / GROUP;
+  if (n > MAX_STREAMS) return 2;
+  float *scratch = malloc(sizeof(float) * GROUP * width * (threads > 0 ? threads : 1));
+  if (!scratch) return 1;
+#pragma omp parallel num_threads(threads)
+  {
+    float *normed = scratch + (int64_t)omp_get_thread_num() * GROUP * width; /* [GROUP][n * H] */
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+      const int64_t first = g * GROUP, count = tokens - first < GROUP ? tokens - first : GROUP;
+      float logits[GROUP][MAX_MIXES];
+      /* expand: new stream j = post_j * output + sum_i comb[i][j] * stream i, kept as stored */
+      for (int64_t t = 0; t < count; t++) {
+        const int64_t token = first + t;
+        const float *token_post = post + token * n, *token_comb = comb + token * n * n;
+        float *mine = normed + t * width;
+        for (int64_t h = 0; h < hidden; h += 16) {
+          const __mmask16 m = first_lanes(hidden - h);
+          __m512 old[MAX_STREAMS];
+          for (int64_t i = 0; i < n; i++) old[i] = load_row(streams, (token * n + i) * hidden + h, bf16, m);
+          const __m512 out = load_row(output, token * hidden + h, bf16, m);
+          for (int64_t j = 0; j < n; j++) {
+            __m512 mixed = _mm512_mul_ps(_mm512_set1_ps(token_comb[j]), old[0]);
+            for (int64_t i = 1; i < n; i++)
+              mixed = _mm512_add_ps(mixed, _mm512_mul_ps(_mm512_set1_ps(token_comb[i * n + j]), old[i]));
+            const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(token_post[j]), out), mixed);
+            _mm512_mask_storeu_ps(mine + j * hidden + h, m,
+                                  store_row(streams_out, (token * n + j) * hidden + h, bf16, m, v));
+          }
+        }
+      }
+      /* the mixes' logits: fn @ the RMS-normalised streams (normalised first, as stream_mixes rounds) */
+      for (int64_t t = 0; t < count; t++) {
+        float *mine = normed + t * width;
+        const __m512 r = _mm512_set1_ps(1.0f / sqrtf(sum_squares(mine, width) / (float)width + norm_eps));
+        for (int64_t i = 0; i < width; i += 16) {
+          const __mmask16 m = first_lanes(width - i);
+          _mm512_mask_storeu_ps(mine + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, mine + i), r));
+        }
+      }
+      /* GROUP tokens by MIX_BLOCK mixes of sums in registers, each load shared by four sums (a short group
+       * repeats its last token and a short block its last mix, whose sums are dropped) */
+      const float *rows[GROUP];
+      for (int t = 0; t < GROUP; t++) rows[t] = normed + (t < count ? t : count - 1) * width;
+      for (int k0 = 0; k0 < mixes; k0 += MIX_BLOCK) {
+        const float *weights[MIX_BLOCK];
+        for (int b = 0; b < MIX_BLOCK; b++) weights[b] = fn + (int64_t)(k0 + b < mixes ? k0 + b : mixes - 1) * width;
+        __m512 acc[MIX_BLOCK][GROUP];
+        for (int b = 0; b < MIX_BLOCK; b++)
+          for (int t = 0; t < GROUP; t++) acc[b][t] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < width; i += 16) {
+          const __mmask16 m = first_lanes(width - i);
+          __m512 x[GROUP];
+          for (int t = 0; t < GROUP; t++) x[t] = _mm512_maskz_loadu_ps(m, rows[t] + i);
+          for (int b = 0; b < MIX_BLOCK; b++) {
+            const __m512 w = _mm512_maskz_loadu_ps(m, weights[b] + i);
+            for (int t = 0; t < GROUP; t++) acc[b][t] = _mm512_fmadd_ps(w, x[t], acc[b][t]);
+          }
+        }
+        float sums[MIX_BLOCK][GROUP];
+        for (int b = 0; b < MIX_BLOCK; b++)
+          for (int t = 0; t < GROUP; t++) sums[b][t] = _mm512_reduce_add_ps(acc[b][t]);
+        for (int b = 0; b < MIX_BLOCK && k0 + b < mixes; b++)
+          for (int64_t t = 0; t < count; t++) logits[t][k0 + b] = base[k0 + b] + sums[b][t] * scale[k0 + b];
+      }
+      if (n == 4) { /* (a short group's spare matrices: its last token's, computed twice, stored once) */
+        float *combs[GROUP];
+        for (int t = 0; t < GROUP; t++) combs[t] = logits[t < count ? t : count - 1] + 2 * n;
+        sinkhorn4(combs, iters, hc_eps);
+      }
+      /* gates and comb, then the collapse: x = sum_i pre_i * stream i, RMS-normed */
+      for (int64_t t = 0; t < count; t++) {
+        const int64_t token = first + t;
+        float pre[MAX_STREAMS];
+        for (int64_t i = 0; i < n; i++) {
+          pre[i] = sigmoid(logits[t][i]) + hc_eps;
+          post_out[token * n + i] = sigmoid(logits[t][n + i]) * 2.0f;
+        }
+        if (n != 4) sinkhorn(logits[t] + 2 * n, (int)n, iters, hc_eps);
+        for (int64_t k = 0; k < n * n; k++) comb_out[token * n * n + k] = logits[t][2 * n + k];
+        /* the streams as stored, again (`normed` now holds them normalised) */
+        float *x = normed + t * width; /* its first H floats: x as rounded into the streams' dtype */
+        for (int64_t h = 0; h < hidden; h += 16) {
+          const __mmask16 m = first_lanes(hidden - h);
+          __m512 sum = _mm512_mul_ps(_mm512_set1_ps(pre[0]), load_row(streams_out, token * n * hidden + h, bf16, m));
+          for (int64_t i = 1; i < n; i++)
+            sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_set1_ps(pre[i]),
+                                                   load_row(streams_out, (token * n + i) * hidden + h, bf16, m)));
+          if (bf16) sum = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(sum)), 16));
+          _mm512_mask_storeu_ps(x + h, m, sum);
+        }
+        const __m512 r = _mm512_set1_ps(1.0f / sqrtf(sum_squares(x, hidden) / (float)hidden + norm_eps));
+        for (int64_t h = 0; h < hidden; h += 16) {
+          const __mmask16 m = first_lanes(hidden - h);
+          const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + h), r), _mm512_maskz_loadu_ps(m, norm + h));
+          store_row(x_out, token * hidden + h, bf16, m, v);
+        }
+      }
+    }
+  }
+  free(scratch);
+  return 0;
+}

@@ -139,8 +139,8 @@ def read_as_served(model_dir: Path, results, context: int, bandwidth: dict, boun
     from bench.baseline import decode_weight_bytes
 
     for r in results:
-        if r.reads_bf16_copies:
-            weight_bytes = decode_weight_bytes(model_dir, r.dtype, context, bf16_copies=True)
+        if r.bf16_copies:
+            weight_bytes = decode_weight_bytes(model_dir, r.dtype, context, bf16_copies=r.bf16_copies)
             bandwidth[f"decode_weight_bytes_{r.dtype}_in_dtype"] = bandwidth[f"decode_weight_bytes_{r.dtype}"]
             bandwidth[f"decode_weight_bytes_{r.dtype}"] = weight_bytes
             bound[r.dtype] = weight_bytes / (bandwidth["read_gbps"] * 1e9)
@@ -159,7 +159,8 @@ def print_bound(results, c1: Run, bandwidth: dict, bound: dict) -> None:
         in_dtype = bandwidth.get(f"decode_weight_bytes_{r.dtype}_in_dtype")
         if in_dtype is not None:
             floor_in_dtype = in_dtype / (bandwidth["read_gbps"] * 1e9) * 1000
-            print(f"  (its products read bf16 copies of the {r.dtype} weights, which hold bf16 values: in "
+            print(f"  (it reads bf16 copies of the {r.dtype} weights ({' and '.join(r.bf16_copies)}), which hold "
+                  f"bf16 values: in "
                   f"{r.dtype} they weigh {in_dtype / 1e6:.1f} MB, a {floor_in_dtype:.2f} ms floor, "
                   f"{step / floor_in_dtype:.1f}x)")
 

@@ -1,4 +1,5 @@
-"""The MoE of a decode step's tokens for a bf16 model on AVX512-BF16 (cpu/moe.c): after the routing
+"""The MoE of a decode step's tokens on AVX512-BF16 (cpu/moe.c), for a bf16 model or an fp32 one whose
+weights hold bf16 values (read from bf16 copies, widened exactly as they are read): after the routing
 and sort (dsv4.model.moe.dispatch), each expert's weights and the shared expert's read once where
 they lie, against all of their picks, rounded where dsv4.model.moe.grouped rounds. Its oracle is
 `grouped` (its test runs both against each other and against float64)."""
@@ -22,17 +23,20 @@ KERNEL_TOKENS = 32
 def moe_few(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor,
             keep: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor | None,
             shared_w2: torch.Tensor | None, *, swiglu_limit: float) -> torch.Tensor:
-    """x [T, hidden] bf16 and its picks as `dispatch` sorts them (each pick's token, row `places`,
+    """x [T, hidden] bf16 or fp32 and its picks as `dispatch` sorts them (each pick's token, row `places`,
     weight `scale` [P, 1] fp32 and whether it is this rank's, `keep` [P, 1]; the groups' padded `ends`
     [E] int32), the experts' w13 [E, 2 * inter, hidden] and w2 [E, hidden, inter], and the shared
-    expert's (or None), all bf16 -> this rank's share of the MoE's output [T, hidden] in fp32."""
+    expert's (or None), all bf16 -> this rank's share of the MoE's output [T, hidden] in fp32 (in x's
+    dtype's arithmetic: rounded into bf16 where `grouped` rounds for a bf16 x, not at all for fp32)."""
     count, hidden = x.shape
     picks, experts, inter = tokens.shape[0], w13.shape[0], w2.shape[2]
     shared = 0 if shared_w13 is None else shared_w2.shape[1]
     weights = [w13, w2] + ([shared_w13, shared_w2] if shared else [])
     problems = []
-    if x.device.type != "cpu" or any(t.dtype != torch.bfloat16 for t in (x, *weights)):
-        problems.append("x and the weights must be bf16 on the CPU")
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+        problems.append(f"x must be bf16 or fp32 on the CPU (got {x.dtype} on {x.device})")
+    if any(t.dtype != torch.bfloat16 for t in weights):
+        problems.append("the weights must be bf16")
     if w13.shape != (experts, 2 * inter, hidden) or w2.shape != (experts, hidden, inter):
         problems.append(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit hidden {hidden}")
     if shared and (shared_w13.shape != (2 * shared, hidden) or shared_w2.shape != (hidden, shared)):
@@ -46,7 +50,7 @@ def moe_few(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: t
     ends, scale = ends.to(torch.int32).contiguous(), scale.to(torch.float32).contiguous()
     keep = keep.to(torch.bool).contiguous().view(torch.uint8)
     out = x.new_empty(count, hidden, dtype=torch.float32)
-    params = (count, picks, experts, hidden, inter, shared)
+    params = (count, picks, experts, hidden, inter, shared, x.dtype == torch.float32)
     pointers = [t.data_ptr() for t in weights] + ([] if shared else [None, None])
     status = entry("moe_few")(
         x.data_ptr(), *pointers, tokens.data_ptr(), places.data_ptr(), ends.data_ptr(), keep.data_ptr(),

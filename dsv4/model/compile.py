@@ -232,14 +232,21 @@ def _bf16_twins(model: PagedModel) -> dict[int, tuple[torch.Tensor, torch.Tensor
     weights = [w for block in model.blocks
                for w in (block.attn.input_weights[0], block.attn.wq_b, block.attn.wo_a, block.attn.wo_b,
                          block.ffn.w13, block.ffn.w2, *block.ffn.shared) if w is not None]
-    twins = {}
+    # (the experts' copies that their C kernel reads, where it serves, are these weights' twins too)
+    copies = {id(w): copy for block in model.blocks if block.ffn.kernel_weights is not None
+              for w, copy in zip((block.ffn.w13, block.ffn.w2, *block.ffn.shared), block.ffn.kernel_weights,
+                                 strict=True) if w is not None and w is not copy}
+    twins, added = {}, 0
     for weight in weights:
-        twin = weight.to(torch.bfloat16).contiguous()
+        twin = copies.get(id(weight))
+        if twin is None:
+            twin = weight.to(torch.bfloat16).contiguous()
+            added += twin.numel() * 2
         if not torch.equal(twin.to(weight.dtype), weight):
             return {}
         twins[id(weight)] = (weight, twin)
     log.info("%s they multiply by whole (%.0f MB more memory): every one holds bf16 values", BF16_COPIES_LOGGED,
-             sum(t.numel() * 2 for _, t in twins.values()) / 1e6)
+             added / 1e6)
     return twins
 
 

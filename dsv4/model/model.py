@@ -8,6 +8,8 @@ the pools' device.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from dsv4.config import WINDOW, ModelConfig
@@ -16,7 +18,7 @@ from dsv4.memory.pools import StatePools
 from .attention import AttentionInputs, PagedAttention
 from .compile import Pieces, eager_pieces
 from .mhc import HyperConnection, Residual, hc_head
-from .moe import GroupedMoE
+from .moe import EXPERT_COPIES_LOGGED, GroupedMoE
 from .ops import Rope, accumulation_dtype, layer_inv_freq, linear, rms_norm
 from .plan import BatchPlan
 from .selection import SelectionSink
@@ -24,6 +26,8 @@ from .sharding import Reducer, ShardPlan
 
 # Tensors kept in at least fp32 whatever the compute dtype, as the reference keeps them: they feed
 # the fp32 math (mHC, norms, sinks, compressor scores, routing).
+log = logging.getLogger(__name__)
+
 _FULL_PRECISION_SUFFIXES = ("_fn", "_base", "_scale", "norm.weight", "attn_sink", ".ape", "ffn.gate.weight",
                             "ffn.gate.bias")
 
@@ -44,6 +48,11 @@ class PagedModel:
         self.embed, self.head, self.norm = w("embed.weight"), w("head.weight"), w("norm.weight")
         self.hc_head_weights = (w("hc_head_fn"), w("hc_head_base"), w("hc_head_scale"))
         self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce) for i in range(cfg.num_layers)]
+        copies = [w for block in self.blocks if block.ffn.kernel_weights is not None
+                  for w in block.ffn.kernel_weights if w is not None and w.dtype != dtype]
+        if copies:
+            log.info("%s (%.0f MB more memory): every one holds bf16 values", EXPERT_COPIES_LOGGED,
+                     sum(w.numel() * w.element_size() for w in copies) / 1e6)
         # RoPE frequencies by "is a window layer": every layer of a kind rotates by the same tables.
         self.inv_freq = {block.window: layer_inv_freq(cfg, i).to(pools.device) for i, block in enumerate(self.blocks)}
 

@@ -3,8 +3,9 @@ every expert runs over its tokens in one grouped matmul per projection (`F.group
 up projections fused, then the down projection), and the results are summed back; each expert's rows
 are padded with zero rows to a multiple of GROUP_ROWS, so its matmuls come in a few shapes. For the
 few tokens of a decode step, compiled, `few` reads each pick's expert in place instead (no sort, no
-grouped matmul); on a CPU with AVX512-BF16, a bf16 model's forwards of up to cpu_moe.KERNEL_TOKENS
-tokens run the same sums after the compiled dispatch as one C kernel instead (dsv4/kernels/cpu_moe.py).
+grouped matmul); on a CPU with AVX512-BF16, the forwards of up to cpu_moe.KERNEL_TOKENS tokens of a bf16
+model (or of an fp32 one whose weights hold bf16 values, from bf16 copies of them) run the same sums
+after the compiled dispatch as one C kernel instead (dsv4/kernels/cpu_moe.py).
 
 Routing: scores s = score_fn(x @ W_gate^T) in at least fp32; learned layers pick the top-k of s + bias
 (the bias only steers selection), hash layers pick tid2eid[token id]; the picks are weighted by their
@@ -28,6 +29,9 @@ from .ops import accumulation_dtype, linear, row_linear
 from .sharding import Reducer, ShardPlan
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# How the log says that the MoE's C kernel reads bf16 copies of an fp32 model's expert weights
+# (scripts/bench reads it to count their bytes)
+EXPERT_COPIES_LOGGED = "the MoE kernel reads bf16 copies of the fp32 experts' weights"
 # On the CPU, oneDNN builds a kernel for every matmul shape it has not seen (0.3..0.9 ms each), and a
 # group's row count changes with every batch: unpadded, each 256-token bf16 prefill of `small` built ~50
 # of them (~19 ms), and its grouped matmuls took 3.65 + 2.27 ms a layer (1.01 + 0.68 padded). Rounded up
@@ -58,25 +62,42 @@ class GroupedMoE:
         if cfg.n_shared_experts:
             self.shared = (torch.cat([w("shared_experts.w1.weight"), w("shared_experts.w3.weight")]),
                            w("shared_experts.w2.weight"))
-        # Decode steps through the C kernel: bf16 weights on a CPU that runs it (decode steps of `small` on
+        # Decode steps through the C kernel on a CPU that runs it: bf16 weights (decode steps of `small` on
         # a Xeon with AMX, in process, alternated: 1 request 12.7..13.0 -> 11.9..12.2 ms against `few`; 8
-        # requests 29.2..30.5 -> 24.7..24.9 ms and 32 requests 50.0..50.2 -> 48.0..48.3 against `grouped`)
-        self.kernel = (self.w13.device.type == "cpu" and self.w13.dtype == torch.bfloat16
-                       and self.w13.dtype == self.w2.dtype and cpu_moe.available())
+        # requests 29.2..30.5 -> 24.7..24.9 ms and 32 requests 50.0..50.2 -> 48.0..48.3 against `grouped`),
+        # or bf16 copies of fp32 weights that hold bf16 values (None: the kernel does not serve)
+        self.kernel_weights = _kernel_weights(self.w13, self.w2, *self.shared)
 
     def __call__(self, x: torch.Tensor, token_ids: torch.Tensor, moe: Callable, dispatch: Callable) -> torch.Tensor:
         """x [T, hidden] (ffn_norm'ed), token_ids [T] -> [T, hidden]. `moe`: `grouped` or `few` with the
         model's constants bound, eager or compiled (dsv4.model.compile.Pieces.moe); `dispatch` likewise
         (Pieces.moe_dispatch), which the C kernel's decode steps follow."""
-        if self.kernel and x.shape[0] <= cpu_moe.KERNEL_TOKENS:
+        if self.kernel_weights is not None and x.shape[0] <= cpu_moe.KERNEL_TOKENS:
             _, places, tokens, ends, scale, keep = dispatch(x, token_ids, *self.router)
-            out = cpu_moe.moe_few(x, tokens, places, ends, scale, keep, self.w13, self.w2, *self.shared,
+            out = cpu_moe.moe_few(x, tokens, places, ends, scale, keep, *self.kernel_weights,
                                   swiglu_limit=self.swiglu_limit)
         else:
             out = moe(x, token_ids, *self.router, self.w13, self.w2, *self.shared)
         if self.reduce is not None:
             out = self.reduce.all_reduce_sum(out, "ffn.out")
         return out.to(x.dtype)
+
+
+def _kernel_weights(*weights: torch.Tensor | None) -> tuple[torch.Tensor | None, ...] | None:
+    """The MoE's weights (w13, w2, the shared expert's or None) as the C kernel reads them: bf16 ones
+    themselves; fp32 ones as bf16 copies where every one holds bf16 values (a bf16 checkpoint served in
+    fp32: the same math from half the bytes); None where the kernel does not serve them."""
+    present = [w for w in weights if w is not None]
+    if present[0].device.type != "cpu" or not cpu_moe.available():
+        return None
+    if all(w.dtype == torch.bfloat16 for w in present):
+        return weights
+    if not all(w.dtype == torch.float32 for w in present):
+        return None
+    copies = [None if w is None else w.to(torch.bfloat16).contiguous() for w in weights]
+    if any(w is not None and not torch.equal(copy.float(), w) for w, copy in zip(weights, copies, strict=True)):
+        return None
+    return tuple(copies)
 
 
 def grouped(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor, w13: torch.Tensor,

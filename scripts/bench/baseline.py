@@ -21,10 +21,13 @@ from dsv4.config import ModelConfig, expected_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _ROUTED_EXPERT = re.compile(r"\.experts\.(\d+)\.")
-# The weights an fp32 server's decode steps read as bf16 copies when every one holds bf16 values
-# (dsv4/model/compile.py `_bf16_twins`): the attention's input and output projections and the experts'
-_BF16_COPIES = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|compressor\.(wkv|wgate)|indexer\.(weights_proj|compressor\.(wkv|wgate)))"
-                          r"\.weight$|\.(experts\.\d+|shared_experts)\.w[123]\.weight$")
+# The weights an fp32 server's decode steps read as bf16 copies when every one holds bf16 values, by
+# kind: the attention's input and output projections (dsv4/model/compile.py `_bf16_twins`) and the
+# experts' (the same, or the MoE's C kernel's copies: dsv4.model.moe._kernel_weights)
+_BF16_COPIES = {
+    "projections": re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|compressor\.(wkv|wgate)|"
+                              r"indexer\.(weights_proj|compressor\.(wkv|wgate)))\.weight$"),
+    "experts": re.compile(r"\.(experts\.\d+|shared_experts)\.w[123]\.weight$")}
 
 
 class _StepClock(BaseStreamer):
@@ -96,9 +99,10 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict[str, float]:
     return {"read_gbps": read, "copy_gbps": copy, "bytes": nbytes}
 
 
-def decode_weight_bytes(model_dir: Path, dtype: str, context: int, bf16_copies: bool = False) -> int:
+def decode_weight_bytes(model_dir: Path, dtype: str, context: int, bf16_copies: tuple[str, ...] = ()) -> int:
     """Parameter bytes one decode step of one token reads at contexts of up to `context` tokens, in the
-    model's dtype (with `bf16_copies`, those an fp32 server reads as bf16 copies at 2 bytes each).
+    model's dtype (those of the kinds in `bf16_copies`, which an fp32 server reads as bf16 copies, at 2
+    bytes each).
 
     Every tensor is read whole except: the embedding (one row, the token's), the hash layers'
     token-to-expert table (one row), the compressors' absolute position embeddings `ape` (one row,
@@ -117,7 +121,8 @@ def decode_weight_bytes(model_dir: Path, dtype: str, context: int, bf16_copies: 
     cfg = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
     total = 0
     for name, shape in expected_weights(cfg).items():
-        itemsize = 2 if bf16_copies and _BF16_COPIES.search(name) else DTYPES[dtype].itemsize
+        copied = any(_BF16_COPIES[kind].search(name) for kind in bf16_copies)
+        itemsize = 2 if copied else DTYPES[dtype].itemsize
         routed = _ROUTED_EXPERT.search(name)
         if routed and int(routed.group(1)) >= cfg.num_experts_per_tok:
             continue  # a routed expert the token does not choose (any E of them weigh the same)

@@ -71,7 +71,9 @@ class DtypeResult:
     runs: dict[tuple[str, str], dict] = field(default_factory=dict)  # (backend, label) -> record
     storm: dict | None = None
     hf_load_s: float = math.nan
-    reads_bf16_copies: bool = False  # the server's decode steps read bf16 copies of fp32 weights (its log says)
+    # the kinds of fp32 weights whose bf16 copies the server's decode steps read (its log says;
+    # bench.baseline._BF16_COPIES)
+    bf16_copies: tuple[str, ...] = ()
 
     def get(self, backend: str, run: Run) -> dict | None:
         return self.runs.get((backend, run.label))
@@ -167,6 +169,7 @@ def measure_hf(model_dir: Path, dtype: str, runs: list[Run], work: Workload, res
 def measure_dtype(model_dir: Path, dtype: str, server_args: list[str], runs: list[Run], work: Workload,
                   results: Results, storm: Storm | None = None, ready_timeout: float = 600) -> DtypeResult:
     from dsv4.model.compile import BF16_COPIES_LOGGED  # (torch: imported where a server is measured)
+    from dsv4.model.moe import EXPERT_COPIES_LOGGED
 
     out = DtypeResult(dtype)
     server = ServerProcess(model_dir, ["--dtype", dtype, *server_args], ready_timeout,
@@ -175,7 +178,9 @@ def measure_dtype(model_dir: Path, dtype: str, server_args: list[str], runs: lis
         out.startup_s = server.ready_seconds
         print(f"\ndsv4 server ({dtype}) ready in {out.startup_s:.1f} s", flush=True)
         measure_server(server.url, dtype, runs, work, results, out, storm)
-    out.reads_bf16_copies = BF16_COPIES_LOGGED in server.log.read_text(errors="replace")
+    log = server.log.read_text(errors="replace")
+    out.bf16_copies = (("projections", "experts") if BF16_COPIES_LOGGED in log
+                       else ("experts",) if EXPERT_COPIES_LOGGED in log else ())
     # HF runs after the server has stopped: neither competes with the other for the cores.
     measure_hf(model_dir, dtype, runs, work, results, out)
     return out

@@ -58,6 +58,32 @@ def test_matches_grouped(tokens, experts, hidden, inter, shared, top_k, rank):
     assert (got.double() - exact).abs().max() <= 1.5 * (expected.double() - exact).abs().max() + 1e-3 * scale_of_output
 
 
+@pytest.mark.parametrize("tokens,experts,hidden,inter,shared,top_k,rank", [
+    (1, 8, 512, 256, 256, 2, None), (3, 6, 96, 40, 0, 3, None), (19, 6, 96, 40, 24, 3, (1, 4)),
+    (32, 8, 512, 256, 256, 2, None)])
+def test_fp32_matches_grouped(tokens, experts, hidden, inter, shared, top_k, rank):
+    """An fp32 model's MoE from the bf16 copies of its weights (which hold bf16 values): fp32 arithmetic
+    without rounding in between, as `grouped` in fp32 over the fp32 weights, to fp32's precision."""
+    gate, w13, w2, (shared_w13, shared_w2) = experts_of(tokens * 11 + hidden, experts, hidden, inter, shared)
+    first, local = rank or (0, experts)
+    w13, w2 = w13[first:first + local], w2[first:first + local]
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(6)) * 3
+    x[0, :3] = torch.tensor([40.0, -40.0, 1e-3])
+    token_ids = torch.arange(tokens)
+    bias = torch.randn(experts, generator=torch.Generator().manual_seed(8))
+    dispatch = functools.partial(moe.dispatch, first_expert=first, local_experts=local, top_k=top_k,
+                                 scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=1.5)
+    wide = [None if w is None else w.float() for w in (w13, w2, shared_w13, shared_w2)]
+    expected = moe.grouped(x, token_ids, gate, bias, *wide, dispatch=dispatch,
+                           combine=functools.partial(moe.combine, swiglu_limit=LIMIT), swiglu_limit=LIMIT)
+    _, places, picked_tokens, ends, scale, keep = dispatch(x, token_ids, gate, bias)
+    got = cpu_moe.moe_few(x, picked_tokens, places, ends, scale, keep, w13, w2, shared_w13, shared_w2,
+                          swiglu_limit=LIMIT)
+    exact = float64_moe(x, picked_tokens, places, ends, scale, keep, w13, w2, shared_w13, shared_w2)
+    size = exact.abs().max().item()
+    assert (got.double() - exact).abs().max().item() <= 4 * (expected.double() - exact).abs().max().item() + 1e-6 * size
+
+
 def float64_moe(x, tokens, places, ends, scale, keep, w13, w2, shared_w13, shared_w2):
     """The same MoE without rounding."""
     out = torch.zeros(x.shape, dtype=torch.float64)
@@ -99,7 +125,9 @@ def test_rejects_what_it_cannot_read():
     x = torch.randn(1, 64).bfloat16()
     picks = moe.dispatch(x, torch.arange(1), gate, torch.zeros(4), first_expert=0, local_experts=4, top_k=2,
                          scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=1.0)[1:]
-    with pytest.raises(RuntimeError, match="bf16"):
-        cpu_moe.moe_few(x.float(), picks[1], picks[0], *picks[2:], w13, w2, None, None, swiglu_limit=LIMIT)
+    with pytest.raises(RuntimeError, match="bf16 or fp32"):
+        cpu_moe.moe_few(x.double(), picks[1], picks[0], *picks[2:], w13, w2, None, None, swiglu_limit=LIMIT)
+    with pytest.raises(RuntimeError, match="weights must be bf16"):
+        cpu_moe.moe_few(x, picks[1], picks[0], *picks[2:], w13.float(), w2, None, None, swiglu_limit=LIMIT)
     with pytest.raises(RuntimeError, match="do not fit"):
         cpu_moe.moe_few(x, picks[1], picks[0], *picks[2:], w13, w2.mT, None, None, swiglu_limit=LIMIT)

@@ -71,21 +71,32 @@ def test_ratio_is_nan_where_a_side_is_missing():
 
 def test_the_floor_counts_as_bf16_exactly_the_weights_the_server_reads_as_bf16_copies(tiny_ckpt):
     """scripts/bench/baseline.py's `_BF16_COPIES` names the checkpoint tensors that
-    dsv4/model/compile.py `_bf16_twins` copies: every element of each, and no other."""
+    dsv4/model/compile.py `_bf16_twins` copies (projections and experts) and those the MoE's C kernel
+    reads as copies (experts): every element of each, and no other."""
     import torch
     from bench.baseline import _BF16_COPIES, decode_weight_bytes
 
     from dsv4.config import ModelConfig, ServerArgs, expected_weights
     from dsv4.engine.runner import ModelRunner
+    from dsv4.kernels import cpu_moe
     from dsv4.model import compile
     from dsv4.weights import load_state_dict
 
     cfg = ModelConfig.from_json(tiny_ckpt)
     runner = ModelRunner(cfg, load_state_dict(tiny_ckpt, cfg, dtype=torch.float32),
                          ServerArgs(dtype="float32", max_running_requests=1, max_total_tokens=256, disable_compile=True))
+
+    def named(*kinds: str) -> int:
+        return sum(math.prod(shape) for name, shape in expected_weights(cfg).items()
+                   if any(_BF16_COPIES[kind].search(name) for kind in kinds))
+
     twins = compile._bf16_twins(runner.model)
-    named = sum(math.prod(shape) for name, shape in expected_weights(cfg).items() if _BF16_COPIES.search(name))
-    assert named == sum(twin.numel() for _, twin in twins.values()) > 0
-    in_fp32, as_read = (decode_weight_bytes(tiny_ckpt, "float32", 64, bf16_copies=copies) for copies in (False, True))
+    assert named("projections", "experts") == sum(twin.numel() for _, twin in twins.values()) > 0
+    if cpu_moe.available():
+        copies = [w for block in runner.model.blocks for w in block.ffn.kernel_weights if w is not None]
+        assert all(w.dtype == torch.bfloat16 for w in copies)
+        assert named("experts") == sum(w.numel() for w in copies) > 0
+    in_fp32, experts, as_read = (decode_weight_bytes(tiny_ckpt, "float32", 64, bf16_copies=copies)
+                                 for copies in ((), ("experts",), ("projections", "experts")))
     in_bf16 = decode_weight_bytes(tiny_ckpt, "bfloat16", 64)
-    assert in_bf16 < as_read < in_fp32  # the norms, mixes, gate, embedding row and head stay fp32
+    assert in_bf16 < as_read < experts < in_fp32  # the norms, mixes, gate, embedding row and head stay fp32

@@ -1,10 +1,11 @@
 /* The MoE of a decode step's tokens (up to cpu_moe.KERNEL_TOKENS) on AVX512-BF16
- * (dsv4/kernels/cpu_moe.py), for a bf16 model: every routed pick and every token's shared expert
- * read their weights where they lie, as dot
+ * (dsv4/kernels/cpu_moe.py), for a bf16 model, or an fp32 one whose weights hold bf16 values: every
+ * routed pick and every token's shared expert read their (bf16) weights where they lie. In bf16, as dot
  * products of bf16 pairs summed in fp32 (vdpbf16ps: exact products, the sums of fp32 arithmetic in
  * another order), rounded into bf16 where the grouped matmuls round (dsv4.model.moe.grouped): the
  * gate and up projections, the SwiGLU's silu and product, each expert's down projection; the picks'
- * weighted sum and the shared expert's add in fp32.
+ * weighted sum and the shared expert's add in fp32. In fp32, the weights widened as they are read
+ * (exactly) into fp32 FMAs with the fp32 activations: half the bytes of the fp32 weights, the same math.
  *
  * Two passes over every thread of torch's OpenMP team (the library shares torch's libgomp: see
  * attention.c): the gate/up rows of every expert (and of the shared expert), each row against all of
@@ -18,8 +19,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* p[]: tokens, picks, local experts, hidden size, an expert's width, the shared expert's (0: none) */
-enum { M_TOKENS, M_PICKS, M_EXPERTS, M_HIDDEN, M_INTER, M_SHARED, M_COUNT };
+#include "simd.h"
+
+/* p[]: tokens, picks, local experts, hidden size, an expert's width, the shared expert's (0: none),
+ * whether the activations are fp32 (else bf16) */
+enum { M_TOKENS, M_PICKS, M_EXPERTS, M_HIDDEN, M_INTER, M_SHARED, M_FP32, M_COUNT };
 
 static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch rounds */
   uint32_t bits;
@@ -51,15 +55,37 @@ static inline __attribute__((always_inline)) void dots_n(const uint16_t *w, cons
   for (int j = 0; j < N; j++) out[j] = _mm512_reduce_add_ps(acc[j]);
 }
 
-/* dots_n over count <= BLOCK rows: the latency of one vdpbf16ps is several of its issue slots, so the
- * more sums in flight the better */
-static inline void dots_bf16(const uint16_t *w, const uint16_t *const *rows, int count, int64_t n, float *out) {
-  int j = 0;
-  if (count == BLOCK) dots_n(w, rows, BLOCK, n, out), j = BLOCK;
-  if (count - j >= 4) dots_n(w, rows + j, 4, n, out + j), j += 4;
-  if (count - j >= 2) dots_n(w, rows + j, 2, n, out + j), j += 2;
-  if (count - j >= 1) dots_n(w, rows + j, 1, n, out + j);
+/* dots_n with fp32 rows: each 16 weights widened (exactly) once for all N rows' FMAs */
+static inline __attribute__((always_inline)) void dots_n_fp32(const uint16_t *w, const float *const *rows, const int N,
+                                                              int64_t n, float *out) {
+  __m512 acc[BLOCK];
+  for (int j = 0; j < N; j++) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = first_lanes(n - i);
+    const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + i)), 16));
+    for (int j = 0; j < N; j++) acc[j] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, rows[j] + i), acc[j]);
+  }
+  for (int j = 0; j < N; j++) out[j] = _mm512_reduce_add_ps(acc[j]);
 }
+
+/* dots_n (or dots_n_fp32, `fp32`) over count <= BLOCK rows, in runs of a constant number of them (so
+ * that their sums stay in registers): the latency of one vdpbf16ps or FMA is several of its issue
+ * slots, so the more sums in flight the better */
+static inline void dots(const uint16_t *w, const void *const *rows, int count, int64_t n, int fp32, float *out) {
+#define RUN(N) (fp32 ? dots_n_fp32(w, (const float *const *)rows + j, N, n, out + j) \
+                     : dots_n(w, (const uint16_t *const *)rows + j, N, n, out + j))
+  for (int j = 0, run; j < count; j += run) {
+    run = count - j == BLOCK ? BLOCK : count - j >= 4 ? 4 : count - j >= 2 ? 2 : 1;
+    if (run == BLOCK) RUN(BLOCK);
+    else if (run == 4) RUN(4);
+    else if (run == 2) RUN(2);
+    else RUN(1);
+  }
+#undef RUN
+}
+
+/* v as the model's dtype holds it: rounded into bf16, or fp32 as it is */
+static inline float as_model(float v, int fp32) { return fp32 ? v : from_bf16(to_bf16(v)); }
 
 /* A pick's expert: the group its row falls in (ends: where each group's padded rows end); -1 for a
  * pick that is not this rank's. */
@@ -71,16 +97,19 @@ static inline int64_t expert_of(int64_t place, const int32_t *ends, int64_t expe
 }
 
 /* Hidden units: 0..picks-1 the picks', then each token's shared expert's. Each expert's weight rows
- * are read once for all of its picks (`dispatch` sorts them by expert, this rank's first). */
-int moe_few(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, const uint16_t *shared_w13,
+ * are read once for all of its picks (`dispatch` sorts them by expert, this rank's first). x and the
+ * hidden units are bf16, or fp32 (p[M_FP32]); the weights bf16. */
+int moe_few(const void *x, const uint16_t *w13, const uint16_t *w2, const uint16_t *shared_w13,
             const uint16_t *shared_w2, const int64_t *tokens, const int64_t *places, const int32_t *ends,
             const uint8_t *keep, const float *scale, float *out, const int64_t *p, float limit, int threads) {
   const int64_t n_tok = p[M_TOKENS], n_pick = p[M_PICKS], n_exp = p[M_EXPERTS], hidden_n = p[M_HIDDEN], inter = p[M_INTER], shared = p[M_SHARED];
+  const int fp32 = (int)p[M_FP32];
+  const int64_t size = fp32 ? 4 : 2; /* bytes of an activation */
   const int64_t width = inter > shared ? inter : shared, units = n_pick + (shared ? n_tok : 0);
   const int64_t sources = n_exp + (shared ? 1 : 0); /* the experts, then the shared expert */
   const int64_t chunks = (width + ROWS_A_CHUNK - 1) / ROWS_A_CHUNK;
   int64_t *first = malloc(sizeof(int64_t) * (2 * n_exp + 1)), *last = first ? first + n_exp : NULL;
-  uint16_t *hidden = malloc(sizeof(uint16_t) * (units ? units : 1) * width);
+  char *hidden = malloc(size * (units ? units : 1) * width);
   if (!first || !hidden) {
     free(first);
     free(hidden);
@@ -95,8 +124,8 @@ int moe_few(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, const ui
   }
 #pragma omp parallel num_threads(threads)
   {
-    /* gate and up rows of each hidden unit: h = bf16(bf16(silu(min(gate, limit))) * clamp(up)); an
-     * expert's rows in chunks, taken as threads come free (the experts' picks differ in number) */
+    /* gate and up rows of each hidden unit: h = as_model(as_model(silu(min(gate, limit))) * clamp(up));
+     * an expert's rows in chunks, taken as threads come free (the experts' picks differ in number) */
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks * sources; c++) {
       const int64_t source = c / chunks, is_shared = source == n_exp;
@@ -106,16 +135,20 @@ int moe_few(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, const ui
       for (int64_t i = c % chunks * ROWS_A_CHUNK; i < width_u && i < (c % chunks + 1) * ROWS_A_CHUNK; i++)
         for (int64_t k = begin; k < end; k += BLOCK) {
           const int count = end - k < BLOCK ? (int)(end - k) : BLOCK;
-          const uint16_t *rows[BLOCK];
+          const void *rows[BLOCK];
           float gates[BLOCK], ups[BLOCK];
-          for (int j = 0; j < count; j++) rows[j] = x + (is_shared ? k + j : tokens[k + j]) * hidden_n;
-          dots_bf16(w + i * hidden_n, rows, count, hidden_n, gates);
-          dots_bf16(w + (width_u + i) * hidden_n, rows, count, hidden_n, ups);
+          for (int j = 0; j < count; j++) rows[j] = (const char *)x + (is_shared ? k + j : tokens[k + j]) * hidden_n * size;
+          dots(w + i * hidden_n, rows, count, hidden_n, fp32, gates);
+          dots(w + (width_u + i) * hidden_n, rows, count, hidden_n, fp32, ups);
           for (int j = 0; j < count; j++) {
-            const float gate = fminf(from_bf16(to_bf16(gates[j])), limit);
-            const float up = fminf(fmaxf(from_bf16(to_bf16(ups[j])), -limit), limit);
-            const float silu = from_bf16(to_bf16(gate / (1.0f + expf(-gate))));
-            hidden[((is_shared ? n_pick : 0) + k + j) * width + i] = to_bf16(silu * up);
+            const float gate = fminf(as_model(gates[j], fp32), limit);
+            const float up = fminf(fmaxf(as_model(ups[j], fp32), -limit), limit);
+            const float unit = as_model(gate / (1.0f + expf(-gate)), fp32) * up;
+            const int64_t at = ((is_shared ? n_pick : 0) + k + j) * width + i;
+            if (fp32)
+              ((float *)hidden)[at] = unit;
+            else
+              ((uint16_t *)hidden)[at] = to_bf16(unit);
           }
         }
     }
@@ -127,19 +160,19 @@ int moe_few(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, const ui
       for (int64_t g = 0; g < n_exp; g++)
         for (int64_t k = first[g]; k < last[g]; k += BLOCK) {
           const int count = last[g] - k < BLOCK ? (int)(last[g] - k) : BLOCK;
-          const uint16_t *rows[BLOCK];
+          const void *rows[BLOCK];
           float downs[BLOCK];
-          for (int j = 0; j < count; j++) rows[j] = hidden + (k + j) * width;
-          dots_bf16(w2 + (g * hidden_n + o) * inter, rows, count, inter, downs);
-          for (int j = 0; j < count; j++) out[tokens[k + j] * hidden_n + o] += from_bf16(to_bf16(downs[j])) * scale[k + j];
+          for (int j = 0; j < count; j++) rows[j] = hidden + (k + j) * width * size;
+          dots(w2 + (g * hidden_n + o) * inter, rows, count, inter, fp32, downs);
+          for (int j = 0; j < count; j++) out[tokens[k + j] * hidden_n + o] += as_model(downs[j], fp32) * scale[k + j];
         }
       for (int64_t t = 0; shared && t < n_tok; t += BLOCK) {
         const int count = n_tok - t < BLOCK ? (int)(n_tok - t) : BLOCK;
-        const uint16_t *rows[BLOCK];
+        const void *rows[BLOCK];
         float downs[BLOCK];
-        for (int j = 0; j < count; j++) rows[j] = hidden + (n_pick + t + j) * width;
-        dots_bf16(shared_w2 + o * shared, rows, count, shared, downs);
-        for (int j = 0; j < count; j++) out[(t + j) * hidden_n + o] += from_bf16(to_bf16(downs[j]));
+        for (int j = 0; j < count; j++) rows[j] = hidden + (n_pick + t + j) * width * size;
+        dots(shared_w2 + o * shared, rows, count, shared, fp32, downs);
+        for (int j = 0; j < count; j++) out[(t + j) * hidden_n + o] += as_model(downs[j], fp32);
       }
     }
   }

@@ -1,6 +1,7 @@
 """The CPU path's C kernels on AVX512-BF16 (every file in cpu/: the attention's, cpu_attention.py; the
-decode steps' MoE, cpu_moe.py), built into one library with the system's C compiler once per machine
-into the cache (well under a second; logged), under a key of their sources and flags. Where the CPU
+decode steps' MoE, cpu_moe.py, and projections, cpu_project.py; the mHC mix, cpu_mhc.py), built into
+one library with the system's C compiler once per machine into the cache (well under a second;
+logged), under a key of their sources and flags. Where the CPU
 lacks AVX512-BF16 or no compiler builds them, `available()` is False and the model computes in
 torch ops.
 """
@@ -35,6 +36,8 @@ _SIGNATURES = {
     "moe_few": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "band_attention": [_POINTER] * 7 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "mhc_mix": [_POINTER] * 12 + [_PARAMS, ctypes.c_float, ctypes.c_float, ctypes.c_int],
+    "decode_project": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
+    "decode_exit": [_POINTER] * 6 + [_PARAMS, ctypes.c_int],
     "amx_ready": [],
 }
 

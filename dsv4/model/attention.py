@@ -31,12 +31,12 @@ import torch
 
 from dsv4.config import CSA, HCA, WINDOW, ModelConfig
 from dsv4.config.server_args import cpu_has_amx_bf16
-from dsv4.kernels import cpu_attention, dispatch
+from dsv4.kernels import cpu_attention, cpu_project, dispatch
 from dsv4.kernels import rows as row_formats
 from dsv4.memory.pools import StatePools, put_rows, take_rows
 
 from .compressor import PagedCompressor
-from .ops import Rope, accumulation_dtype, linear, rms_norm, rotate_
+from .ops import Rope, accumulation_dtype, as_bf16, linear, rms_norm, rotate_
 from .plan import AttentionGroup, BatchPlan, CompressedRows
 from .selection import IndexerSelection, SelectionSink
 from .sharding import Reducer, ShardPlan
@@ -107,6 +107,10 @@ class PagedAttention:
         self.decode_kernel = (on_cpu and _PLAIN_ROW_DTYPES.get(pools.main_format) == dtype
                               and dtype in (torch.bfloat16, torch.float32) and cpu_attention.available())
         self.scale = softmax_scale(cfg)
+        # The projections of decode steps of up to cpu_project.KERNEL_TOKENS tokens as the C kernels
+        # that read these (bf16, or bf16 copies of fp32 ones): w_input, wq_b, wo_a, wo_b (None: torch's)
+        self.kernel_weights = (as_bf16(self.input_weights[0], self.wq_b, self.wo_a, self.wo_b)
+                               if on_cpu and cpu_project.available() else None)
 
     def __call__(self, inputs: AttentionInputs, plan: BatchPlan, rope: Rope, on_selection: SelectionSink | None,
                  pieces: Pieces) -> torch.Tensor:
@@ -156,8 +160,22 @@ class PagedAttention:
         if self.kernels or not _decodes_wrote_ring(plan):
             put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
 
-        out = pieces.attention_exit(out, rope.cos2, rope.sin2, self.wo_a, self.wo_b)
+        if self.kernel_weights is not None and out.shape[0] <= cpu_project.KERNEL_TOKENS:
+            out = cpu_project.exit(out.contiguous(), rope.cos2, rope.sin2, *self.kernel_weights[2:])
+        else:
+            out = pieces.attention_exit(out, rope.cos2, rope.sin2, self.wo_a, self.wo_b)
         return out if self.reduce is None else self.reduce.all_reduce_sum(out, "attn.out")  # this rank's groups' share
+
+    def project(self, x: torch.Tensor, rope: Rope, pieces: Pieces) -> AttentionInputs:
+        """`project_inputs` of the layer input x [T, hidden] at the batch's positions (`rope`): the C
+        kernel for the few tokens of a decode step where it serves, else `pieces.project_inputs`."""
+        if self.kernel_weights is not None and x.shape[0] <= cpu_project.KERNEL_TOKENS:
+            w_input, wq_b = self.kernel_weights[:2]
+            projected = cpu_project.project(x, w_input, self.q_norm, wq_b, self.kv_norm, rope.cos2, rope.sin2,
+                                            eps=self.cfg.rms_norm_eps)
+        else:
+            projected = pieces.project_inputs(x, *self.input_weights, rope.cos2, rope.sin2)
+        return AttentionInputs(x, *projected)
 
     def _attend_with_kernels(self, x: torch.Tensor, q: torch.Tensor, raw_rows: torch.Tensor, index_queries,
                              plan: BatchPlan, on_selection: SelectionSink | None) -> torch.Tensor:

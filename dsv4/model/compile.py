@@ -232,10 +232,13 @@ def _bf16_twins(model: PagedModel) -> dict[int, tuple[torch.Tensor, torch.Tensor
     weights = [w for block in model.blocks
                for w in (block.attn.input_weights[0], block.attn.wq_b, block.attn.wo_a, block.attn.wo_b,
                          block.ffn.w13, block.ffn.w2, *block.ffn.shared) if w is not None]
-    # (the experts' copies that their C kernel reads, where it serves, are these weights' twins too)
-    copies = {id(w): copy for block in model.blocks if block.ffn.kernel_weights is not None
-              for w, copy in zip((block.ffn.w13, block.ffn.w2, *block.ffn.shared), block.ffn.kernel_weights,
-                                 strict=True) if w is not None and w is not copy}
+    # (the copies that the C kernels read, where they serve, are these weights' twins too)
+    copies = {id(w): copy for block in model.blocks
+              for owner, originals in ((block.attn, (block.attn.input_weights[0], block.attn.wq_b, block.attn.wo_a,
+                                                     block.attn.wo_b)),
+                                       (block.ffn, (block.ffn.w13, block.ffn.w2, *block.ffn.shared)))
+              if owner.kernel_weights is not None
+              for w, copy in zip(originals, owner.kernel_weights, strict=True) if w is not None and w is not copy}
     twins, added = {}, 0
     for weight in weights:
         twin = copies.get(id(weight))

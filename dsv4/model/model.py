@@ -15,10 +15,10 @@ import torch
 from dsv4.config import WINDOW, ModelConfig
 from dsv4.memory.pools import StatePools
 
-from .attention import AttentionInputs, PagedAttention
+from .attention import PagedAttention
 from .compile import Pieces, eager_pieces
 from .mhc import HyperConnection, Residual, hc_head
-from .moe import EXPERT_COPIES_LOGGED, GroupedMoE
+from .moe import GroupedMoE
 from .ops import Rope, accumulation_dtype, layer_inv_freq, linear, rms_norm
 from .plan import BatchPlan
 from .selection import SelectionSink
@@ -27,6 +27,11 @@ from .sharding import Reducer, ShardPlan
 # Tensors kept in at least fp32 whatever the compute dtype, as the reference keeps them: they feed
 # the fp32 math (mHC, norms, sinks, compressor scores, routing).
 log = logging.getLogger(__name__)
+
+# How the log names the fp32 weights whose bf16 copies the CPU's C kernels read, by kind (scripts/bench
+# reads it to count their bytes)
+KERNEL_COPIES_LOGGED = {"projections": "the attention's kernels read bf16 copies of the fp32 projections",
+                        "experts": "the MoE kernel reads bf16 copies of the fp32 experts' weights"}
 
 _FULL_PRECISION_SUFFIXES = ("_fn", "_base", "_scale", "norm.weight", "attn_sink", ".ape", "ffn.gate.weight",
                             "ffn.gate.bias")
@@ -48,11 +53,13 @@ class PagedModel:
         self.embed, self.head, self.norm = w("embed.weight"), w("head.weight"), w("norm.weight")
         self.hc_head_weights = (w("hc_head_fn"), w("hc_head_base"), w("hc_head_scale"))
         self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce) for i in range(cfg.num_layers)]
-        copies = [w for block in self.blocks if block.ffn.kernel_weights is not None
-                  for w in block.ffn.kernel_weights if w is not None and w.dtype != dtype]
-        if copies:
-            log.info("%s (%.0f MB more memory): every one holds bf16 values", EXPERT_COPIES_LOGGED,
-                     sum(w.numel() * w.element_size() for w in copies) / 1e6)
+        for kind, owners in (("projections", [block.attn for block in self.blocks]),
+                             ("experts", [block.ffn for block in self.blocks])):
+            copies = [w for owner in owners if owner.kernel_weights is not None
+                      for w in owner.kernel_weights if w is not None and w.dtype != dtype]
+            if copies:
+                log.info("%s (%.0f MB more memory): every one holds bf16 values", KERNEL_COPIES_LOGGED[kind],
+                         sum(w.numel() * w.element_size() for w in copies) / 1e6)
         # RoPE frequencies by "is a window layer": every layer of a kind rotates by the same tables.
         self.inv_freq = {block.window: layer_inv_freq(cfg, i).to(pools.device) for i, block in enumerate(self.blocks)}
 
@@ -92,8 +99,7 @@ class _Block:
                  pieces: Pieces) -> Residual:
         """The residual of the batch's tokens; `rope` at the batch's positions."""
         streams, x, post, comb = pieces.mix(*residual, *self.attn_hc.weights)
-        inputs = AttentionInputs(x, *pieces.project_inputs(x, *self.attn.input_weights, rope.cos2, rope.sin2))
-        y = self.attn(inputs, plan, rope, on_selection, pieces)
+        y = self.attn(self.attn.project(x, rope, pieces), plan, rope, on_selection, pieces)
         streams, x, post, comb = pieces.mix(streams, y, post, comb, *self.ffn_hc.weights)
         return Residual(streams, self.ffn(x, plan.token_ids, pieces.moe, pieces.moe_dispatch), post, comb)
 

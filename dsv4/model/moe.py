@@ -25,13 +25,10 @@ import torch.nn.functional as F
 from dsv4.config import ModelConfig
 from dsv4.kernels import cpu_moe
 
-from .ops import accumulation_dtype, linear, row_linear
+from .ops import accumulation_dtype, as_bf16, linear, row_linear
 from .sharding import Reducer, ShardPlan
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# How the log says that the MoE's C kernel reads bf16 copies of an fp32 model's expert weights
-# (scripts/bench reads it to count their bytes)
-EXPERT_COPIES_LOGGED = "the MoE kernel reads bf16 copies of the fp32 experts' weights"
 # On the CPU, oneDNN builds a kernel for every matmul shape it has not seen (0.3..0.9 ms each), and a
 # group's row count changes with every batch: unpadded, each 256-token bf16 prefill of `small` built ~50
 # of them (~19 ms), and its grouped matmuls took 3.65 + 2.27 ms a layer (1.01 + 0.68 padded). Rounded up
@@ -66,7 +63,8 @@ class GroupedMoE:
         # a Xeon with AMX, in process, alternated: 1 request 12.7..13.0 -> 11.9..12.2 ms against `few`; 8
         # requests 29.2..30.5 -> 24.7..24.9 ms and 32 requests 50.0..50.2 -> 48.0..48.3 against `grouped`),
         # or bf16 copies of fp32 weights that hold bf16 values (None: the kernel does not serve)
-        self.kernel_weights = _kernel_weights(self.w13, self.w2, *self.shared)
+        on_cpu = self.w13.device.type == "cpu" and cpu_moe.available()
+        self.kernel_weights = as_bf16(self.w13, self.w2, *self.shared) if on_cpu else None
 
     def __call__(self, x: torch.Tensor, token_ids: torch.Tensor, moe: Callable, dispatch: Callable) -> torch.Tensor:
         """x [T, hidden] (ffn_norm'ed), token_ids [T] -> [T, hidden]. `moe`: `grouped` or `few` with the
@@ -81,23 +79,6 @@ class GroupedMoE:
         if self.reduce is not None:
             out = self.reduce.all_reduce_sum(out, "ffn.out")
         return out.to(x.dtype)
-
-
-def _kernel_weights(*weights: torch.Tensor | None) -> tuple[torch.Tensor | None, ...] | None:
-    """The MoE's weights (w13, w2, the shared expert's or None) as the C kernel reads them: bf16 ones
-    themselves; fp32 ones as bf16 copies where every one holds bf16 values (a bf16 checkpoint served in
-    fp32: the same math from half the bytes); None where the kernel does not serve them."""
-    present = [w for w in weights if w is not None]
-    if present[0].device.type != "cpu" or not cpu_moe.available():
-        return None
-    if all(w.dtype == torch.bfloat16 for w in present):
-        return weights
-    if not all(w.dtype == torch.float32 for w in present):
-        return None
-    copies = [None if w is None else w.to(torch.bfloat16).contiguous() for w in weights]
-    if any(w is not None and not torch.equal(copy.float(), w) for w, copy in zip(weights, copies, strict=True)):
-        return None
-    return tuple(copies)
 
 
 def grouped(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor, w13: torch.Tensor,

@@ -55,6 +55,21 @@ DECODE_TOKENS = 2
 WEIGHT_FIRST_TOKENS = 32
 
 
+def as_bf16(*weights: torch.Tensor | None) -> tuple[torch.Tensor | None, ...] | None:
+    """The weights (None: absent) as the CPU's C kernels read them: bf16 ones themselves, fp32 ones as
+    contiguous bf16 copies where every one holds bf16 values (a bf16 checkpoint served in fp32: the same
+    math from half the bytes); None where they cannot (other dtypes, values bf16 would round)."""
+    present = [w for w in weights if w is not None]
+    if all(w.dtype == torch.bfloat16 for w in present):
+        return weights
+    if not all(w.dtype == torch.float32 for w in present):
+        return None
+    copies = tuple(None if w is None else w.to(torch.bfloat16).contiguous() for w in weights)
+    if any(w is not None and not torch.equal(copy.float(), w) for w, copy in zip(weights, copies, strict=True)):
+        return None
+    return copies
+
+
 def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`linear` for the few rows of a decode step, written as products summed in at least fp32 and
     rounded once into x's dtype, the model's (what a matmul computes, summed in another order; the

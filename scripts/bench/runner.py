@@ -169,7 +169,7 @@ def measure_hf(model_dir: Path, dtype: str, runs: list[Run], work: Workload, res
 def measure_dtype(model_dir: Path, dtype: str, server_args: list[str], runs: list[Run], work: Workload,
                   results: Results, storm: Storm | None = None, ready_timeout: float = 600) -> DtypeResult:
     from dsv4.model.compile import BF16_COPIES_LOGGED  # (torch: imported where a server is measured)
-    from dsv4.model.moe import EXPERT_COPIES_LOGGED
+    from dsv4.model.model import KERNEL_COPIES_LOGGED
 
     out = DtypeResult(dtype)
     server = ServerProcess(model_dir, ["--dtype", dtype, *server_args], ready_timeout,
@@ -179,8 +179,8 @@ def measure_dtype(model_dir: Path, dtype: str, server_args: list[str], runs: lis
         print(f"\ndsv4 server ({dtype}) ready in {out.startup_s:.1f} s", flush=True)
         measure_server(server.url, dtype, runs, work, results, out, storm)
     log = server.log.read_text(errors="replace")
-    out.bf16_copies = (("projections", "experts") if BF16_COPIES_LOGGED in log
-                       else ("experts",) if EXPERT_COPIES_LOGGED in log else ())
+    out.bf16_copies = tuple(kind for kind, line in KERNEL_COPIES_LOGGED.items()
+                            if BF16_COPIES_LOGGED in log or line in log)
     # HF runs after the server has stopped: neither competes with the other for the cores.
     measure_hf(model_dir, dtype, runs, work, results, out)
     return out

@@ -1,0 +1,70 @@
+/* Dot products of bf16 weight rows with a few activation rows (bf16 or fp32), the rounding of a
+ * model's dtype: what the decode steps' kernels (moe.c, project.c) multiply with. */
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "simd.h"
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch rounds */
+  uint32_t bits;
+  __builtin_memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN stays NaN */
+  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+  uint32_t bits = (uint32_t)h << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+enum { BLOCK = 8 }; /* the most rows that share each load of a weight */
+
+/* out[j] = sum over n bf16 pairs rows[j][i] * w[i] in fp32 for j < N (n even), w read once for all:
+ * N independent sums (a constant where it is inlined, so that they stay in registers). */
+static inline __attribute__((always_inline)) void dots_n(const uint16_t *w, const uint16_t *const *rows, const int N,
+                                                         int64_t n, float *out) {
+  __m512 acc[BLOCK];
+  for (int j = 0; j < N; j++) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 32) {
+    const __mmask32 m = n - i >= 32 ? 0xffffffffu : (__mmask32)((1u << (n - i)) - 1);
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + i);
+    for (int j = 0; j < N; j++) acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_maskz_loadu_epi16(m, rows[j] + i), wv);
+  }
+  for (int j = 0; j < N; j++) out[j] = _mm512_reduce_add_ps(acc[j]);
+}
+
+/* dots_n with fp32 rows: each 16 weights widened (exactly) once for all N rows' FMAs */
+static inline __attribute__((always_inline)) void dots_n_fp32(const uint16_t *w, const float *const *rows, const int N,
+                                                              int64_t n, float *out) {
+  __m512 acc[BLOCK];
+  for (int j = 0; j < N; j++) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = first_lanes(n - i);
+    const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + i)), 16));
+    for (int j = 0; j < N; j++) acc[j] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, rows[j] + i), acc[j]);
+  }
+  for (int j = 0; j < N; j++) out[j] = _mm512_reduce_add_ps(acc[j]);
+}
+
+/* dots_n (or dots_n_fp32, `fp32`) over count <= BLOCK rows, in runs of a constant number of them (so
+ * that their sums stay in registers): the latency of one vdpbf16ps or FMA is several of its issue
+ * slots, so the more sums in flight the better */
+static inline void dots(const uint16_t *w, const void *const *rows, int count, int64_t n, int fp32, float *out) {
+#define RUN(N) (fp32 ? dots_n_fp32(w, (const float *const *)rows + j, N, n, out + j) \
+                     : dots_n(w, (const uint16_t *const *)rows + j, N, n, out + j))
+  for (int j = 0, run; j < count; j += run) {
+    run = count - j == BLOCK ? BLOCK : count - j >= 4 ? 4 : count - j >= 2 ? 2 : 1;
+    if (run == BLOCK) RUN(BLOCK);
+    else if (run == 4) RUN(4);
+    else if (run == 2) RUN(2);
+    else RUN(1);
+  }
+#undef RUN
+}
+
+/* v as the model's dtype holds it: rounded into bf16, or fp32 as it is */
+static inline float as_model(float v, int fp32) { return fp32 ? v : from_bf16(to_bf16(v)); }

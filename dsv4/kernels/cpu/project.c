@@ -1,0 +1,144 @@
+/* The attention's projections of a decode step's few tokens (up to BLOCK; dsv4/kernels/cpu_project.py)
+ * on AVX512-BF16, for a bf16 model or an fp32 one whose weights hold bf16 values (read from bf16
+ * copies, widened exactly as they are read): the weights read once, where they lie, against every
+ * token (dots.h), with the rounding of the model's dtype where the torch code rounds.
+ *
+ * decode_project: dsv4.model.attention.project_inputs. The layer input times w_input (wq_a | wkv |
+ * the rest), the low-rank query's norm, its product with wq_b, each head's norm and RoPE, and the raw
+ * row's norm and RoPE.
+ * decode_exit: dsv4.model.attention.attention_exit. The inverse RoPE of the attention's output (in
+ * place), its grouped low-rank projection (wo_a) and wo_b.
+ *
+ * Each phase's rows are split over torch's OpenMP team (see attention.c), a barrier between phases. */
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "dots.h"
+#include "simd.h"
+
+/* decode_project's p[]: tokens, hidden size, w_input's rows, q_lora_rank, head_dim, heads, RoPE dims,
+ * whether the activations are fp32 (else bf16) */
+enum { J_TOKENS, J_HIDDEN, J_WIDTH, J_Q_RANK, J_DIM, J_HEADS, J_ROPE, J_FP32, J_COUNT };
+/* decode_exit's p[]: tokens, heads, head_dim, groups, o_lora_rank, hidden size, RoPE dims, fp32 */
+enum { X_TOKENS, X_HEADS, X_DIM, X_GROUPS, X_O_RANK, X_HIDDEN, X_ROPE, X_FP32, X_COUNT };
+
+static inline float load_at(const void *base, int64_t i, int fp32) {
+  return fp32 ? ((const float *)base)[i] : from_bf16(((const uint16_t *)base)[i]);
+}
+
+/* v rounded into the model's dtype and stored at base[i] */
+static inline void store_at(void *base, int64_t i, int fp32, float v) {
+  if (fp32)
+    ((float *)base)[i] = v;
+  else
+    ((uint16_t *)base)[i] = to_bf16(v);
+}
+
+/* out[t][j] = as_model(rows[t] . w[j]) for the rows j of w [count, n] this thread takes */
+static void products(const uint16_t *w, int64_t count, int64_t n, const void *rows_base, int64_t tokens,
+                     int64_t row_stride, int fp32, void *out, int64_t out_stride) {
+  const int64_t size = fp32 ? 4 : 2;
+  const void *rows[BLOCK];
+  for (int64_t t = 0; t < tokens; t++) rows[t] = (const char *)rows_base + t * row_stride * size;
+#pragma omp for schedule(static)
+  for (int64_t j = 0; j < count; j++) {
+    float sums[BLOCK];
+    dots(w + j * n, rows, (int)tokens, n, fp32, sums);
+    for (int64_t t = 0; t < tokens; t++) store_at(out, t * out_stride + j, fp32, sums[t]);
+  }
+}
+
+/* row[0..n) (the model's dtype) RMS-normed in fp32 (times weight, unless NULL), rounded into the dtype,
+ * then its last `rope` dims rotated in interleaved pairs by the tables cos2, sin2 (backwards with
+ * `inverse`), rounded again: rms_norm then ops.rotate_, in place. With norm 0 it only rotates. */
+static void norm_and_rotate(void *row, int64_t n, int fp32, int norm, const float *weight, float eps,
+                            const float *cos2, const float *sin2, int64_t rope, int inverse) {
+  float v[n];
+  for (int64_t i = 0; i < n; i++) v[i] = load_at(row, i, fp32);
+  if (norm) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 x = _mm512_maskz_loadu_ps(first_lanes(n - i), v + i);
+      acc = _mm512_fmadd_ps(x, x, acc);
+    }
+    const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) {
+      const float normed = weight ? v[i] * r * weight[i] : v[i] * r;
+      v[i] = fp32 ? normed : from_bf16(to_bf16(normed));
+    }
+  }
+  const float sign = inverse ? -1.0f : 1.0f;
+  float *tail = v + n - rope;
+  for (int64_t i = 0; i < rope; i += 2) {
+    const float even = tail[i], odd = tail[i + 1];
+    tail[i] = even * cos2[i] + sign * (odd * sin2[i]);
+    tail[i + 1] = odd * cos2[i + 1] + sign * (even * sin2[i + 1]);
+  }
+  for (int64_t i = 0; i < n; i++) store_at(row, i, fp32, v[i]);
+}
+
+/* x [T, hidden], w_input [width, hidden], q_norm [q_rank], wq_b [heads * dim, q_rank], kv_norm [dim],
+ * cos2 and sin2 [T, rope] -> q [T, heads, dim], kv [T, dim], qr [T, q_rank], projected [T, width]
+ * (activations in the model's dtype, weights bf16, norms and tables fp32) */
+int decode_project(const void *x, const uint16_t *w_input, const float *q_norm, const uint16_t *wq_b,
+                   const float *kv_norm, const float *cos2, const float *sin2, void *q, void *kv, void *qr,
+                   void *projected, const int64_t *p, float eps, int threads) {
+  const int64_t tokens = p[J_TOKENS], hidden = p[J_HIDDEN], width = p[J_WIDTH], q_rank = p[J_Q_RANK];
+  const int64_t dim = p[J_DIM], heads = p[J_HEADS], rope = p[J_ROPE];
+  const int fp32 = (int)p[J_FP32];
+  const int64_t size = fp32 ? 4 : 2;
+  if (tokens > BLOCK) return 2;
+#pragma omp parallel num_threads(threads)
+  {
+    products(w_input, width, hidden, x, tokens, hidden, fp32, projected, width);
+#pragma omp single
+    for (int64_t t = 0; t < tokens; t++) { /* the low-rank query's norm: no rotation */
+      char *row = (char *)qr + t * q_rank * size;
+      for (int64_t i = 0; i < q_rank; i++) store_at(row, i, fp32, load_at(projected, t * width + i, fp32));
+      norm_and_rotate(row, q_rank, fp32, 1, q_norm, eps, cos2, sin2, 0, 0);
+    }
+    products(wq_b, heads * dim, q_rank, qr, tokens, q_rank, fp32, q, heads * dim);
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < tokens * (heads + 1); item++) {
+      const int64_t t = item / (heads + 1), h = item % (heads + 1);
+      if (h < heads) {
+        norm_and_rotate((char *)q + (t * heads + h) * dim * size, dim, fp32, 1, NULL, eps, cos2 + t * rope,
+                        sin2 + t * rope, rope, 0);
+      } else { /* the raw row */
+        char *row = (char *)kv + t * dim * size;
+        for (int64_t i = 0; i < dim; i++) store_at(row, i, fp32, load_at(projected, t * width + q_rank + i, fp32));
+        norm_and_rotate(row, dim, fp32, 1, kv_norm, eps, cos2 + t * rope, sin2 + t * rope, rope, 0);
+      }
+    }
+  }
+  return 0;
+}
+
+/* out [T, heads, dim] (rotated back in place), cos2 and sin2 [T, rope], wo_a [groups, o_rank, heads /
+ * groups * dim], wo_b [hidden, groups * o_rank] -> result [T, hidden] */
+int decode_exit(void *out, const float *cos2, const float *sin2, const uint16_t *wo_a, const uint16_t *wo_b,
+                void *result, const int64_t *p, int threads) {
+  const int64_t tokens = p[X_TOKENS], heads = p[X_HEADS], dim = p[X_DIM], groups = p[X_GROUPS];
+  const int64_t o_rank = p[X_O_RANK], hidden = p[X_HIDDEN], rope = p[X_ROPE];
+  const int fp32 = (int)p[X_FP32];
+  const int64_t size = fp32 ? 4 : 2, span = heads / groups * dim;
+  if (tokens > BLOCK) return 2;
+  void *low = malloc(size * tokens * groups * o_rank);
+  if (!low) return 1;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < tokens * heads; item++)
+      norm_and_rotate((char *)out + item * dim * size, dim, fp32, 0, NULL, 0.0f, cos2 + item / heads * rope,
+                      sin2 + item / heads * rope, rope, 1);
+    for (int64_t g = 0; g < groups; g++) /* (each group's rows split over the team: a barrier after each) */
+      products(wo_a + g * o_rank * span, o_rank, span, (char *)out + g * span * size, tokens, heads * dim, fp32,
+               (char *)low + g * o_rank * size, groups * o_rank);
+    products(wo_b, hidden, groups * o_rank, low, tokens, groups * o_rank, fp32, result, hidden);
+  }
+  free(low);
+  return 0;
+}

@@ -1,0 +1,89 @@
+"""The attention's projections of a decode step's few tokens as C kernels on AVX512-BF16 (cpu/project.c),
+for a bf16 model or an fp32 one whose weights hold bf16 values (read from bf16 copies, widened exactly
+as they are read): every weight read once where it lies against all of the tokens, the norms and
+rotations done while the rows are in cache, rounded where the torch code rounds.
+- `project`: dsv4.model.attention.project_inputs;
+- `exit`: dsv4.model.attention.attention_exit.
+Their oracles are those functions (their tests run both against float64)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .cpu_library import available, entry
+
+__all__ = ["KERNEL_TOKENS", "available", "exit", "project"]
+
+KERNEL_TOKENS = 8  # cpu/dots.h's BLOCK: the most rows that share each load of a weight
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def project(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor, wq_b: torch.Tensor, kv_norm: torch.Tensor,
+            cos2: torch.Tensor, sin2: torch.Tensor, *, eps: float) -> tuple[torch.Tensor, ...]:
+    """`project_inputs` of x [T, hidden] (fp32 or bf16, T <= KERNEL_TOKENS): w_input [width, hidden] and
+    wq_b [heads * head_dim, q_lora_rank] bf16, q_norm [q_lora_rank] and kv_norm [head_dim] fp32, the RoPE
+    tables cos2, sin2 [T, R] fp32 -> (q [T, heads, head_dim], kv [T, head_dim], qr [T, q_lora_rank],
+    projected [T, width]) in x's dtype."""
+    tokens, hidden = x.shape
+    width, q_rank, dim, rope = w_input.shape[0], q_norm.shape[0], kv_norm.shape[0], cos2.shape[-1]
+    heads = wq_b.shape[0] // dim
+    _check("project", x, tokens, [w_input, wq_b], [q_norm, kv_norm, cos2, sin2], rope, dim)
+    if w_input.shape != (width, hidden) or wq_b.shape != (heads * dim, q_rank) or width < q_rank + dim:
+        raise RuntimeError(f"cpu project: w_input {tuple(w_input.shape)} and wq_b {tuple(wq_b.shape)} do not fit "
+                           f"x {tuple(x.shape)}, q_norm {tuple(q_norm.shape)} and kv_norm {tuple(kv_norm.shape)}")
+    inputs = [t.contiguous() for t in (x, w_input, q_norm, wq_b, kv_norm, cos2, sin2)]
+    q, kv = x.new_empty(tokens, heads, dim), x.new_empty(tokens, dim)
+    qr, projected = x.new_empty(tokens, q_rank), x.new_empty(tokens, width)
+    params = (tokens, hidden, width, q_rank, dim, heads, rope, x.dtype == torch.float32)
+    _run("decode_project", inputs, (q, kv, qr, projected), params, eps)
+    return q, kv, qr, projected
+
+
+def exit(out: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, wo_a: torch.Tensor,
+         wo_b: torch.Tensor) -> torch.Tensor:
+    """`attention_exit` of the attention's output out [T, heads, head_dim] (fp32 or bf16, T <=
+    KERNEL_TOKENS; ours to overwrite: rotated back in place), the RoPE tables cos2, sin2 [T, R] fp32,
+    wo_a [groups, o_lora_rank, heads / groups * head_dim] and wo_b [hidden, groups * o_lora_rank] bf16
+    -> [T, hidden] in out's dtype."""
+    tokens, heads, dim = out.shape
+    groups, o_rank, span = wo_a.shape
+    hidden, rope = wo_b.shape[0], cos2.shape[-1]
+    _check("exit", out, tokens, [wo_a, wo_b], [cos2, sin2], rope, dim)
+    if heads % groups or span != heads // groups * dim or wo_b.shape[1] != groups * o_rank:
+        raise RuntimeError(f"cpu exit: wo_a {tuple(wo_a.shape)} and wo_b {tuple(wo_b.shape)} do not fit "
+                           f"out {tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise RuntimeError("cpu exit: out must be contiguous (it is rotated back in place)")
+    inputs = [out, *(t.contiguous() for t in (cos2, sin2, wo_a, wo_b))]
+    result = out.new_empty(tokens, hidden)
+    _run("decode_exit", inputs, (result,), (tokens, heads, dim, groups, o_rank, hidden, rope,
+                                            out.dtype == torch.float32), None)
+    return result
+
+
+def _check(name: str, x: torch.Tensor, tokens: int, weights: list[torch.Tensor], fp32: list[torch.Tensor],
+           rope: int, dim: int) -> None:
+    problems = []
+    if x.device.type != "cpu" or x.dtype not in _DTYPES:
+        problems.append(f"activations must be fp32 or bf16 on the CPU (got {x.dtype} on {x.device})")
+    if tokens > KERNEL_TOKENS:
+        problems.append(f"at most {KERNEL_TOKENS} tokens (got {tokens})")
+    if any(w.dtype != torch.bfloat16 for w in weights):
+        problems.append("the weights must be bf16")
+    if any(t.dtype != torch.float32 for t in fp32):
+        problems.append("the norms and RoPE tables must be fp32")
+    if rope % 2 or rope > dim or any(t.shape != (tokens, rope) for t in fp32[-2:]):
+        problems.append(f"the RoPE tables must be [tokens, an even number of dims up to {dim}]")
+    if problems:
+        raise RuntimeError(f"cpu {name}: " + "; ".join(problems))
+
+
+def _run(name: str, inputs: list[torch.Tensor], outputs: tuple[torch.Tensor, ...], params: tuple,
+         eps: float | None) -> None:
+    floats = () if eps is None else (eps,)
+    status = entry(name)(*(t.data_ptr() for t in (*inputs, *outputs)), (ctypes.c_int64 * len(params))(*params),
+                         *floats, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"cpu {name}: the kernel could not allocate its scratch memory")

@@ -38,6 +38,7 @@ _SIGNATURES = {
     "mhc_mix": [_POINTER] * 12 + [_PARAMS, ctypes.c_float, ctypes.c_float, ctypes.c_int],
     "decode_project": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "decode_exit": [_POINTER] * 6 + [_PARAMS, ctypes.c_int],
+    "norm_rope": [_POINTER] * 4 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "amx_ready": [],
 }
 

@@ -3,7 +3,8 @@ for a bf16 model or an fp32 one whose weights hold bf16 values (read from bf16 c
 as they are read): every weight read once where it lies against all of the tokens, the norms and
 rotations done while the rows are in cache, rounded where the torch code rounds.
 - `project`: dsv4.model.attention.project_inputs;
-- `exit`: dsv4.model.attention.attention_exit.
+- `exit`: dsv4.model.attention.attention_exit;
+- `norm_rope`: for a prefill's tokens, the per-row norms and RoPE that follow project_inputs' products.
 Their oracles are those functions (their tests run both against float64)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from .cpu_library import available, entry
 
-__all__ = ["KERNEL_TOKENS", "available", "exit", "project"]
+__all__ = ["KERNEL_TOKENS", "available", "exit", "norm_rope", "project"]
 
 KERNEL_TOKENS = 8  # cpu/dots.h's BLOCK: the most rows that share each load of a weight
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -29,7 +30,7 @@ def project(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor, wq_b: 
     tokens, hidden = x.shape
     width, q_rank, dim, rope = w_input.shape[0], q_norm.shape[0], kv_norm.shape[0], cos2.shape[-1]
     heads = wq_b.shape[0] // dim
-    _check("project", x, tokens, [w_input, wq_b], [q_norm, kv_norm, cos2, sin2], rope, dim)
+    _check("project", x, [w_input, wq_b], [q_norm, kv_norm, cos2, sin2], rope, dim)
     if w_input.shape != (width, hidden) or wq_b.shape != (heads * dim, q_rank) or width < q_rank + dim:
         raise RuntimeError(f"cpu project: w_input {tuple(w_input.shape)} and wq_b {tuple(wq_b.shape)} do not fit "
                            f"x {tuple(x.shape)}, q_norm {tuple(q_norm.shape)} and kv_norm {tuple(kv_norm.shape)}")
@@ -50,7 +51,7 @@ def exit(out: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, wo_a: torch.
     tokens, heads, dim = out.shape
     groups, o_rank, span = wo_a.shape
     hidden, rope = wo_b.shape[0], cos2.shape[-1]
-    _check("exit", out, tokens, [wo_a, wo_b], [cos2, sin2], rope, dim)
+    _check("exit", out, [wo_a, wo_b], [cos2, sin2], rope, dim)
     if heads % groups or span != heads // groups * dim or wo_b.shape[1] != groups * o_rank:
         raise RuntimeError(f"cpu exit: wo_a {tuple(wo_a.shape)} and wo_b {tuple(wo_b.shape)} do not fit "
                            f"out {tuple(out.shape)}")
@@ -63,12 +64,34 @@ def exit(out: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, wo_a: torch.
     return result
 
 
-def _check(name: str, x: torch.Tensor, tokens: int, weights: list[torch.Tensor], fp32: list[torch.Tensor],
-           rope: int, dim: int) -> None:
-    problems = []
+def norm_rope(rows: torch.Tensor, weight: torch.Tensor | None, cos2: torch.Tensor, sin2: torch.Tensor, *,
+              eps: float | None, inverse: bool = False) -> torch.Tensor:
+    """rows [T, heads, dim] or [T, dim] (fp32 or bf16, contiguous) RMS-normed (times weight [dim] fp32,
+    unless None; eps None: not normed) and their last R dims rotated by the RoPE tables cos2, sin2 [T, R]
+    fp32 (backwards with `inverse`), in place, as `rotate_(rms_norm(rows, weight, eps), cos2, sin2,
+    inverse)` rounds; returns rows."""
+    tokens, dim = rows.shape[0], rows.shape[-1]
+    heads = rows.shape[1] if rows.dim() == 3 else 1
+    tables = [*([] if weight is None else [weight]), cos2, sin2]
+    _check("norm_rope", rows, [], tables, cos2.shape[-1], dim, few=False)
+    if not rows.is_contiguous() or rows.dim() not in (2, 3) or (weight is not None and weight.shape != (dim,)):
+        raise RuntimeError(f"cpu norm_rope: rows {tuple(rows.shape)} must be contiguous [T, heads, dim] or [T, dim] "
+                           f"and the weight [dim]")
+    inputs = [rows, weight, *(t.contiguous() for t in (cos2, sin2))]
+    params = (tokens, heads, dim, cos2.shape[-1], rows.dtype == torch.float32, eps is not None, inverse)
+    status = entry("norm_rope")(*(None if t is None else t.data_ptr() for t in inputs),
+                                (ctypes.c_int64 * len(params))(*params), eps or 0.0, torch.get_num_threads())
+    assert status == 0
+    return rows
+
+
+def _check(name: str, x: torch.Tensor, weights: list[torch.Tensor], fp32: list[torch.Tensor], rope: int, dim: int,
+           *, few: bool = True) -> None:
+    """Refuses what the kernel `name` cannot compute (`few`: at most KERNEL_TOKENS tokens, x's rows)."""
+    tokens, problems = x.shape[0], []
     if x.device.type != "cpu" or x.dtype not in _DTYPES:
         problems.append(f"activations must be fp32 or bf16 on the CPU (got {x.dtype} on {x.device})")
-    if tokens > KERNEL_TOKENS:
+    if few and tokens > KERNEL_TOKENS:
         problems.append(f"at most {KERNEL_TOKENS} tokens (got {tokens})")
     if any(w.dtype != torch.bfloat16 for w in weights):
         problems.append("the weights must be bf16")

@@ -7,6 +7,7 @@ import torch
 
 from dsv4.kernels import cpu_project
 from dsv4.model import attention
+from dsv4.model.ops import rms_norm, rotate_
 
 pytestmark = pytest.mark.skipif(not cpu_project.available(), reason="the CPU lacks AVX512-BF16 or a C compiler")
 
@@ -64,6 +65,24 @@ def test_exit_matches_attention_exit(shape, dtype):
     want = attention.attention_exit(out.clone(), cos2, sin2, wo_a.to(dtype), wo_b.to(dtype))
     exact = attention.attention_exit(*(t.double() for t in (out, cos2, sin2, wo_a, wo_b)))
     assert_close(got, want, exact, dtype, "exit")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,weighted,normed,inverse", [
+    ((37, 16, 512), False, True, False), ((5, 48), True, True, False), ((9, 3, 40), False, False, True),
+    ((600, 2, 64), True, True, False)])
+def test_norm_rope_matches_rms_norm_then_rotate(shape, weighted, normed, inverse, dtype):
+    """A prefill's rows in place: the queries' heads (no weight), raw rows (a weight), the attention
+    output rotated back (no norm); widths off the 16 lanes; more rows than threads' shares."""
+    g = torch.Generator().manual_seed(shape[0])
+    rows = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    weight = torch.rand(shape[-1], generator=g) + 0.5 if weighted else None
+    cos2, sin2 = tables(shape[0], 16, g)
+
+    def reference(x, *tables):
+        return rotate_(rms_norm(x, weight, 1e-6) if normed else x.clone(), *tables, inverse)
+    got = cpu_project.norm_rope(rows.clone(), weight, cos2, sin2, eps=1e-6 if normed else None, inverse=inverse)
+    assert_close(got, reference(rows, cos2, sin2), reference(rows.double(), cos2.double(), sin2.double()), dtype, "rows")
 
 
 def test_one_thread_equals_two():

@@ -1,5 +1,6 @@
 /* Dot products of bf16 weight rows with a few activation rows (bf16 or fp32), the rounding of a
- * model's dtype: what the decode steps' kernels (moe.c, project.c) multiply with. */
+ * model's dtype, and rows of either dtype read and written as fp32 vectors: what the kernels of
+ * moe.c, project.c and mhc.c share. */
 #pragma once
 
 #include <immintrin.h>
@@ -68,3 +69,27 @@ static inline void dots(const uint16_t *w, const void *const *rows, int count, i
 
 /* v as the model's dtype holds it: rounded into bf16, or fp32 as it is */
 static inline float as_model(float v, int fp32) { return fp32 ? v : from_bf16(to_bf16(v)); }
+
+/* m's lanes of base[i..i+16), bf16 (else fp32) values, as fp32 */
+static inline __m512 load_row(const void *base, int64_t i, int bf16, __mmask16 m) {
+  if (bf16)
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i)), 16));
+  return _mm512_maskz_loadu_ps(m, (const float *)base + i);
+}
+
+/* v rounded into the model's dtype (to nearest even, as torch rounds), stored, and returned as read back */
+static inline __m512 store_row(void *base, int64_t i, int bf16, __mmask16 m, __m512 v) {
+  if (!bf16) {
+    _mm512_mask_storeu_ps((float *)base + i, m, v);
+    return v;
+  }
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  _mm256_mask_storeu_epi16((uint16_t *)base + i, m, h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* v as the model's dtype holds it (bf16: rounded, else as it is) */
+static inline __m512 round_row(__m512 v, int bf16) {
+  return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16)) : v;
+}

@@ -15,29 +15,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "dots.h"
 #include "simd.h"
 
 /* p[]: tokens, streams per token (n), hidden size, Sinkhorn iterations, whether the streams are bf16 */
 enum { M_TOKENS, M_STREAMS, M_HIDDEN, M_ITERS, M_BF16, M_COUNT };
 enum { GROUP = 4, MIX_BLOCK = 4, MAX_STREAMS = 8, MAX_MIXES = (2 + MAX_STREAMS) * MAX_STREAMS };
-
-static inline __m512 load_row(const void *base, int64_t i, int bf16, __mmask16 m) {
-  if (bf16)
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i)), 16));
-  return _mm512_maskz_loadu_ps(m, (const float *)base + i);
-}
-
-/* v rounded into the streams' dtype (to nearest even, as torch rounds), stored, and returned as read back */
-static inline __m512 store_row(void *base, int64_t i, int bf16, __mmask16 m, __m512 v) {
-  if (!bf16) {
-    _mm512_mask_storeu_ps((float *)base + i, m, v);
-    return v;
-  }
-  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-  _mm256_mask_storeu_epi16((uint16_t *)base + i, m, h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 static inline float sum_squares(const float *row, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
@@ -198,8 +181,7 @@ int mhc_mix(const void *streams, const void *output, const float *post, const fl
           for (int64_t i = 1; i < n; i++)
             sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_set1_ps(pre[i]),
                                                    load_row(streams_out, (token * n + i) * hidden + h, bf16, m)));
-          if (bf16) sum = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(sum)), 16));
-          _mm512_mask_storeu_ps(x + h, m, sum);
+          _mm512_mask_storeu_ps(x + h, m, round_row(sum, bf16));
         }
         const __m512 r = _mm512_set1_ps(1.0f / sqrtf(sum_squares(x, hidden) / (float)hidden + norm_eps));
         for (int64_t h = 0; h < hidden; h += 16) {

@@ -24,6 +24,9 @@
 enum { J_TOKENS, J_HIDDEN, J_WIDTH, J_Q_RANK, J_DIM, J_HEADS, J_ROPE, J_FP32, J_COUNT };
 /* decode_exit's p[]: tokens, heads, head_dim, groups, o_lora_rank, hidden size, RoPE dims, fp32 */
 enum { X_TOKENS, X_HEADS, X_DIM, X_GROUPS, X_O_RANK, X_HIDDEN, X_ROPE, X_FP32, X_COUNT };
+/* norm_rope's p[]: tokens, rows per token, their dims, RoPE dims, fp32, whether to norm them (else only
+ * rotate), whether to rotate backwards */
+enum { N_TOKENS, N_HEADS, N_DIM, N_ROPE, N_FP32, N_NORM, N_INVERSE, N_COUNT };
 
 static inline float load_at(const void *base, int64_t i, int fp32) {
   return fp32 ? ((const float *)base)[i] : from_bf16(((const uint16_t *)base)[i]);
@@ -57,27 +60,55 @@ static void products(const uint16_t *w, int64_t count, int64_t n, const void *ro
 static void norm_and_rotate(void *row, int64_t n, int fp32, int norm, const float *weight, float eps,
                             const float *cos2, const float *sin2, int64_t rope, int inverse) {
   float v[n];
-  for (int64_t i = 0; i < n; i++) v[i] = load_at(row, i, fp32);
+  const int64_t start = norm ? 0 : n - rope; /* (only the rotated dims change) */
+  for (int64_t i = start; i < n; i += 16) {
+    const __mmask16 m = first_lanes(n - i);
+    _mm512_mask_storeu_ps(v + i, m, load_row(row, i, !fp32, m));
+  }
   if (norm) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
       const __m512 x = _mm512_maskz_loadu_ps(first_lanes(n - i), v + i);
       acc = _mm512_fmadd_ps(x, x, acc);
     }
-    const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) {
-      const float normed = weight ? v[i] * r * weight[i] : v[i] * r;
-      v[i] = fp32 ? normed : from_bf16(to_bf16(normed));
+    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = first_lanes(n - i);
+      __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, v + i), r);
+      if (weight) x = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(m, weight + i));
+      _mm512_mask_storeu_ps(v + i, m, round_row(x, !fp32));
     }
   }
-  const float sign = inverse ? -1.0f : 1.0f;
+  const __m512 sign = _mm512_set1_ps(inverse ? -1.0f : 1.0f);
   float *tail = v + n - rope;
-  for (int64_t i = 0; i < rope; i += 2) {
-    const float even = tail[i], odd = tail[i + 1];
-    tail[i] = even * cos2[i] + sign * (odd * sin2[i]);
-    tail[i + 1] = odd * cos2[i + 1] + sign * (even * sin2[i + 1]);
+  for (int64_t i = 0; i < rope; i += 16) { /* (i even: each pair of dims in two neighbouring lanes) */
+    const __mmask16 m = first_lanes(rope - i);
+    const __m512 x = _mm512_maskz_loadu_ps(m, tail + i);
+    const __m512 swapped = _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1));
+    const __m512 turned = _mm512_mul_ps(swapped, _mm512_maskz_loadu_ps(m, sin2 + i));
+    _mm512_mask_storeu_ps(tail + i, m, _mm512_add_ps(_mm512_mul_ps(x, _mm512_maskz_loadu_ps(m, cos2 + i)),
+                                                     _mm512_mul_ps(sign, turned)));
   }
-  for (int64_t i = 0; i < n; i++) store_at(row, i, fp32, v[i]);
+  for (int64_t i = start; i < n; i += 16) {
+    const __mmask16 m = first_lanes(n - i);
+    store_row(row, i, !fp32, m, _mm512_maskz_loadu_ps(m, v + i));
+  }
+}
+
+/* rows [T, heads, dim] (the model's dtype) in place: norm_and_rotate of each, with weight [dim] (or
+ * NULL) and token t's tables cos2[t], sin2[t] [rope]: the queries' and raw rows' norms and RoPE of a
+ * prefill's tokens, after their products (dsv4.model.attention.project_inputs), or the attention
+ * output's inverse RoPE before its products (attention_exit) */
+int norm_rope(void *rows, const float *weight, const float *cos2, const float *sin2, const int64_t *p, float eps,
+              int threads) {
+  const int64_t tokens = p[N_TOKENS], heads = p[N_HEADS], dim = p[N_DIM], rope = p[N_ROPE];
+  const int fp32 = (int)p[N_FP32], norm = (int)p[N_NORM], inverse = (int)p[N_INVERSE];
+  const int64_t size = fp32 ? 4 : 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t item = 0; item < tokens * heads; item++)
+    norm_and_rotate((char *)rows + item * dim * size, dim, fp32, norm, weight, eps, cos2 + item / heads * rope,
+                    sin2 + item / heads * rope, rope, inverse);
+  return 0;
 }
 
 /* x [T, hidden], w_input [width, hidden], q_norm [q_rank], wq_b [heads * dim, q_rank], kv_norm [dim],

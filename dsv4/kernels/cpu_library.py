@@ -34,6 +34,7 @@ _SIGNATURES = {
     "band_softmax": [_POINTER] * 9 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "decode_attention": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "moe_few": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
+    "moe_tiles": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "band_attention": [_POINTER] * 7 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "mhc_mix": [_POINTER] * 12 + [_PARAMS, ctypes.c_float, ctypes.c_float, ctypes.c_int],
     "decode_project": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],

@@ -12,7 +12,7 @@ import torch
 
 from .cpu_library import available, entry
 
-__all__ = ["KERNEL_TOKENS", "available", "moe_few"]
+__all__ = ["KERNEL_TOKENS", "available", "moe_few", "moe_tiles"]
 
 # The most tokens the model sends through the kernel rather than the grouped matmuls (decode steps of up
 # to 32 requests; measured on a Xeon, eager routing: 32 tokens 1.5 ms against 1.9, 64 tokens 2.7 against
@@ -28,6 +28,25 @@ def moe_few(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: t
     [E] int32), the experts' w13 [E, 2 * inter, hidden] and w2 [E, hidden, inter], and the shared
     expert's (or None), all bf16 -> this rank's share of the MoE's output [T, hidden] in fp32 (in x's
     dtype's arithmetic: rounded into bf16 where `grouped` rounds for a bf16 x, not at all for fp32)."""
+    return _moe("moe_few", x, tokens, places, ends, scale, keep, w13, w2, shared_w13, shared_w2, swiglu_limit)
+
+
+def moe_tiles(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor,
+              keep: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor | None,
+              shared_w2: torch.Tensor | None, *, swiglu_limit: float) -> torch.Tensor:
+    """`moe_few`'s result for a bf16 x of any number of tokens, on AMX tiles (cpu/moe_amx.c; where
+    cpu_attention.amx_available()): the hidden size and the experts' widths multiples of 32."""
+    inter, hidden = w2.shape[-1], x.shape[-1]
+    widths = (hidden, inter) + (() if shared_w2 is None else (shared_w2.shape[-1],))
+    if x.dtype != torch.bfloat16 or any(width % 32 for width in widths):
+        raise RuntimeError(f"moe_tiles: x must be bf16 (got {x.dtype}) and the hidden size and the experts' widths "
+                           f"multiples of 32 (got {widths})")
+    return _moe("moe_tiles", x, tokens, places, ends, scale, keep, w13, w2, shared_w13, shared_w2, swiglu_limit)
+
+
+def _moe(name: str, x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: torch.Tensor,
+         scale: torch.Tensor, keep: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor | None,
+         shared_w2: torch.Tensor | None, swiglu_limit: float) -> torch.Tensor:
     count, hidden = x.shape
     picks, experts, inter = tokens.shape[0], w13.shape[0], w2.shape[2]
     shared = 0 if shared_w13 is None else shared_w2.shape[1]
@@ -44,7 +63,7 @@ def moe_few(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: t
     if places.shape != (picks,) or scale.shape != (picks, 1) or keep.shape != (picks, 1) or ends.shape != (experts,):
         problems.append("places [P], scale [P, 1], keep [P, 1] and ends [E] must fit the picks and the experts")
     if problems:
-        raise RuntimeError("moe_few: " + "; ".join(problems))
+        raise RuntimeError(f"{name}: " + "; ".join(problems))
     x, *weights = (t.contiguous() for t in (x, *weights))
     tokens, places = (t.to(torch.int64).contiguous() for t in (tokens, places))
     ends, scale = ends.to(torch.int32).contiguous(), scale.to(torch.float32).contiguous()
@@ -52,10 +71,10 @@ def moe_few(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: t
     out = x.new_empty(count, hidden, dtype=torch.float32)
     params = (count, picks, experts, hidden, inter, shared, x.dtype == torch.float32)
     pointers = [t.data_ptr() for t in weights] + ([] if shared else [None, None])
-    status = entry("moe_few")(
+    status = entry(name)(
         x.data_ptr(), *pointers, tokens.data_ptr(), places.data_ptr(), ends.data_ptr(), keep.data_ptr(),
         scale.data_ptr(), out.data_ptr(), (ctypes.c_int64 * len(params))(*params), swiglu_limit,
         torch.get_num_threads())
     if status != 0:
-        raise MemoryError("moe_few: the kernel could not allocate its scratch memory")
+        raise MemoryError(f"{name}: the kernel could not allocate its scratch memory")
     return out

@@ -6,7 +6,7 @@ import functools
 import pytest
 import torch
 
-from dsv4.kernels import cpu_moe
+from dsv4.kernels import cpu_attention, cpu_moe
 from dsv4.model import moe
 
 pytestmark = pytest.mark.skipif(not cpu_moe.available(), reason="the CPU lacks AVX512-BF16 or a C compiler")
@@ -34,6 +34,20 @@ def test_matches_grouped(tokens, experts, hidden, inter, shared, top_k, rank):
     """Scored routing (its bias random so picks spread); `rank`: (first, count) of a tensor-parallel
     rank's experts, whose other picks drop out. Widths past a multiple of 32 exercise the kernel's masked tails;
     token counts past a few give experts picks in every number of the kernel's blocks of rows."""
+    matches_grouped(cpu_moe.moe_few, tokens, experts, hidden, inter, shared, top_k, rank)
+
+
+@pytest.mark.skipif(not cpu_attention.amx_available(), reason="the CPU lacks AMX tiles")
+@pytest.mark.parametrize("tokens,experts,hidden,inter,shared,top_k,rank", [
+    (1, 8, 512, 256, 256, 2, None), (32, 8, 512, 256, 256, 2, None), (19, 6, 96, 64, 32, 3, (1, 4)),
+    (77, 16, 64, 32, 0, 6, None), (300, 8, 128, 64, 96, 2, (2, 5)), (5, 4, 64, 32, 32, 2, (1, 2))])
+def test_tiles_match_grouped(tokens, experts, hidden, inter, shared, top_k, rank):
+    """The AMX kernel: as the other, over token counts that give experts several blocks of 16 picks and
+    blocks of every size, and tensor-parallel ranks' experts."""
+    matches_grouped(cpu_moe.moe_tiles, tokens, experts, hidden, inter, shared, top_k, rank)
+
+
+def matches_grouped(kernel, tokens, experts, hidden, inter, shared, top_k, rank):
     gate, w13, w2, (shared_w13, shared_w2) = experts_of(tokens * 7 + hidden, experts, hidden, inter, shared)
     first, local = rank or (0, experts)
     w13, w2 = w13[first:first + local], w2[first:first + local]
@@ -47,8 +61,7 @@ def test_matches_grouped(tokens, experts, hidden, inter, shared, top_k, rank):
     expected = moe.grouped(x, token_ids, gate, bias, w13, w2, shared_w13, shared_w2, dispatch=dispatch,
                            combine=functools.partial(moe.combine, swiglu_limit=LIMIT), swiglu_limit=LIMIT)
     _, places, picked_tokens, ends, scale, keep = dispatch(x, token_ids, gate, bias)
-    got = cpu_moe.moe_few(x, picked_tokens, places, ends, scale, keep, w13, w2, shared_w13, shared_w2,
-                          swiglu_limit=LIMIT)
+    got = kernel(x, picked_tokens, places, ends, scale, keep, w13, w2, shared_w13, shared_w2, swiglu_limit=LIMIT)
     assert got.dtype == torch.float32 and got.shape == (tokens, hidden)
     # Each projection rounds into bf16 in both; a sum in another order may round one ulp apart there
     assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
@@ -131,3 +144,6 @@ def test_rejects_what_it_cannot_read():
         cpu_moe.moe_few(x, picks[1], picks[0], *picks[2:], w13.float(), w2, None, None, swiglu_limit=LIMIT)
     with pytest.raises(RuntimeError, match="do not fit"):
         cpu_moe.moe_few(x, picks[1], picks[0], *picks[2:], w13, w2.mT, None, None, swiglu_limit=LIMIT)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        cpu_moe.moe_tiles(x[:, :48], picks[1], picks[0], *picks[2:], w13[..., :48], w2[:, :48], None, None,
+                          swiglu_limit=LIMIT)

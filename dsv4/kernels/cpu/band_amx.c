@@ -24,11 +24,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "amx.h"
 #include "simd.h"
 
-#define AMX __attribute__((target("amx-tile,amx-bf16")))
-
-enum { ITEM_ROWS = 128, TILE = 16, STEP = 32 /* bf16 elements a tile row holds */ };
+enum { ITEM_ROWS = 128 };
 
 /* p[]: the shapes, then the element strides of the inputs (every innermost stride is 1). */
 enum {
@@ -41,21 +40,6 @@ enum {
   A_CA_B, A_CA_N, A_CA_J,      /* compressed_allowed[b][n][query][c] */
   A_COUNT
 };
-
-typedef struct {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t bytes_per_row[16];
-  uint8_t rows[16];
-} TileConfig;
-
-/* Tiles 0..3 accumulate, 4..5 hold A operands, 6..7 B operands: every tile 16 rows of 64 bytes. */
-AMX static void configure_tiles(void) {
-  TileConfig config;
-  memset(&config, 0, sizeof config);
-  config.palette = 1;
-  for (int t = 0; t < 8; t++) config.bytes_per_row[t] = 64, config.rows[t] = TILE;
-  _tile_loadconfig(&config);
-}
 
 /* Whether this process may use the tiles (Linux grants them on request; oneDNN asks the same). */
 int amx_ready(void) {

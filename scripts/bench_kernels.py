@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 
 import torch
 
-from dsv4.kernels import cpu_attention, cpu_moe, dispatch
+from dsv4.kernels import cpu_attention, cpu_mhc, cpu_moe, cpu_project, dispatch
 from dsv4.kernels.indexer_topk import indexer_topk_torch
 from dsv4.kernels.rows import index_row_bytes, main_row_bytes, pack_index_rows, pack_main_rows
-from dsv4.model import moe
-from dsv4.model.attention import banded_sink_attention
+from dsv4.model import mhc, moe
+from dsv4.model.attention import banded_sink_attention, project_inputs
 from dsv4.reference.paged_ops import indexer_topk_paged
 
 # Peak HBM bandwidth, GB/s, by a substring of torch.cuda.get_device_name(); longest match wins.
@@ -195,6 +195,41 @@ def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
                                          repeats=repeats)
             print(f"{f'bf16 MoE, {tokens} token(s), with the routing':>44} {kernel * 1e3:>10.2f} {reference * 1e3:>9.2f} "
                   f"{reference / kernel:>7.1f}x")
+        for tokens in () if smoke or not cpu_attention.amx_available() else (32, 512):
+            x, ids = torch.randn(tokens, hidden, generator=gen).bfloat16(), torch.arange(tokens)
+
+            def tiles_moe(x=x, ids=ids):
+                _, places, picked, ends, weights, keep = route(x, ids, gate, bias)
+                return cpu_moe.moe_tiles(x, picked, places, ends, weights, keep, w13, w2, *shared, swiglu_limit=10.0)
+
+            kernel, reference = time_cpu(tiles_moe, partial(grouped, x, ids, gate, bias, w13, w2, *shared),
+                                         repeats=repeats)
+            print(f"{f'bf16 MoE on AMX, {tokens} tokens, with the routing':>44} {kernel * 1e3:>10.2f} "
+                  f"{reference * 1e3:>9.2f} {reference / kernel:>7.1f}x")
+        n, mixes = 4, 24  # the mHC mix: 4 streams, against its torch code (eager: the compiled piece's math)
+        for tokens in (1,) if smoke else (1, 32, 512):
+            streams, output = torch.randn(tokens, n, hidden, generator=gen), torch.randn(tokens, hidden, generator=gen)
+            weights = (torch.rand(tokens, n, generator=gen), torch.rand(tokens, n, n, generator=gen),
+                       torch.randn(mixes, n * hidden, generator=gen) * 0.02, torch.randn(mixes, generator=gen),
+                       torch.rand(mixes, generator=gen), torch.rand(hidden, generator=gen))
+            constants = {"n": n, "sinkhorn_iters": 20, "hc_eps": 1e-6, "norm_eps": 1e-6}
+            kernel, reference = time_cpu(partial(cpu_mhc.mix, streams, output, *weights, **constants),
+                                         partial(mhc.mix, streams, output, *weights, **constants), repeats=repeats)
+            print(f"{f'fp32 mHC mix, {tokens} token(s) (torch eager)':>44} {kernel * 1e3:>10.2f} {reference * 1e3:>9.2f} "
+                  f"{reference / kernel:>7.1f}x")
+        q_rank, dim, heads, rope = 256, 512, 16, 64  # the attention's projections at one token
+        width = q_rank + dim + 2624
+        w_input = (torch.randn(width, hidden, generator=gen) * hidden**-0.5).bfloat16()
+        wq_b = (torch.randn(heads * dim, q_rank, generator=gen) * q_rank**-0.5).bfloat16()
+        norms, x = (torch.rand(q_rank, generator=gen) + 0.5, torch.rand(dim, generator=gen) + 0.5), torch.randn(1, hidden)
+        angles = torch.rand(1, rope // 2, generator=gen)
+        cos2, sin2 = angles.cos().repeat_interleave(2, -1), torch.stack([-angles.sin(), angles.sin()], -1).flatten(-2)
+        wide = (w_input.float(), norms[0], wq_b.float(), norms[1])  # (the torch code's fp32 weights)
+        kernel, reference = time_cpu(
+            partial(cpu_project.project, x, w_input, norms[0], wq_b, norms[1], cos2, sin2, eps=1e-6),
+            partial(project_inputs, x, *wide, cos2, sin2, eps=1e-6), repeats=repeats)
+        print(f"{'fp32 projections, 1 token (torch eager)':>44} {kernel * 1e3:>10.2f} {reference * 1e3:>9.2f} "
+              f"{reference / kernel:>7.1f}x")
 
 
 def cuda_suite(device: str, contexts, indexer_batch: int, batches, attention_context: int, peak: float | None,

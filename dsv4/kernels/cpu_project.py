@@ -77,11 +77,8 @@ def norm_rope(rows: torch.Tensor, weight: torch.Tensor | None, cos2: torch.Tenso
     if not rows.is_contiguous() or rows.dim() not in (2, 3) or (weight is not None and weight.shape != (dim,)):
         raise RuntimeError(f"cpu norm_rope: rows {tuple(rows.shape)} must be contiguous [T, heads, dim] or [T, dim] "
                            f"and the weight [dim]")
-    inputs = [rows, weight, *(t.contiguous() for t in (cos2, sin2))]
     params = (tokens, heads, dim, cos2.shape[-1], rows.dtype == torch.float32, eps is not None, inverse)
-    status = entry("norm_rope")(*(None if t is None else t.data_ptr() for t in inputs),
-                                (ctypes.c_int64 * len(params))(*params), eps or 0.0, torch.get_num_threads())
-    assert status == 0
+    _run("norm_rope", [rows, weight, cos2.contiguous(), sin2.contiguous()], (), params, eps or 0.0)
     return rows
 
 
@@ -103,10 +100,10 @@ def _check(name: str, x: torch.Tensor, weights: list[torch.Tensor], fp32: list[t
         raise RuntimeError(f"cpu {name}: " + "; ".join(problems))
 
 
-def _run(name: str, inputs: list[torch.Tensor], outputs: tuple[torch.Tensor, ...], params: tuple,
+def _run(name: str, inputs: list[torch.Tensor | None], outputs: tuple[torch.Tensor, ...], params: tuple,
          eps: float | None) -> None:
     floats = () if eps is None else (eps,)
-    status = entry(name)(*(t.data_ptr() for t in (*inputs, *outputs)), (ctypes.c_int64 * len(params))(*params),
-                         *floats, torch.get_num_threads())
+    status = entry(name)(*(None if t is None else t.data_ptr() for t in (*inputs, *outputs)),
+                         (ctypes.c_int64 * len(params))(*params), *floats, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"cpu {name}: the kernel could not allocate its scratch memory")

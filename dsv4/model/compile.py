@@ -2,11 +2,15 @@
 
 Why: on the CPU a decode step is dominated by per-op overhead, not arithmetic. These pieces cover
 much of a layer's small ops:
-- `mix` (dsv4.model.mhc): between the attention and the MoE, the attention's output is written into
-  the streams and the MoE's input collapsed from them (4x4 mixing matrices normalised by 20 Sinkhorn
-  iterations of row and column sums) and normed;
-- `attention_entry` (dsv4.model.attention): the same mix from the last layer's output to the
-  attention's input, then every projection of that input, the query and raw-row norms and RoPE;
+- `mix` (dsv4.model.mhc): between two sublayers, the last one's output is written into the streams
+  and the next one's input collapsed from them (4x4 mixing matrices normalised by 20 Sinkhorn
+  iterations of row and column sums) and normed; on an AVX512-BF16 CPU a C kernel instead, for fp32
+  and bf16 models (dsv4/kernels/cpu_mhc.py: a c=1 fp32 decode step of `small` in process 13.8..16 ->
+  10.8 ms, a 32 x 256-token bf16 prefill 3.63 -> 3.19 s), and no package is compiled for it;
+- `project_inputs` (dsv4.model.attention): every projection of the attention's input, the query and
+  raw-row norms and RoPE (the C kernels of dsv4/kernels/cpu_project.py take the decode steps of up
+  to 8 tokens, and longer forwards' norms and RoPE, where they serve: dsv4.model.attention.
+  PagedAttention.project);
 - `attend_decodes` (dsv4.model.attention.decode_sink_attention, one package with compressed rows
   and one without): the CPU path's attention of decode tokens over their gathered rings (and
   compressed rows): the rows' masks and upcast, then a softmax of a dozen elementwise passes over the
@@ -25,10 +29,11 @@ much of a layer's small ops:
   weights;
 - for forwards of at most `ops.FEW_TOKENS` tokens (decode steps), the whole MoE (`moe_few`,
   dsv4.model.moe.few, one per routing kind), which reads each pick's expert where it lies with
-  `ops.row_linear` (a c=1 decode step's MoE of `small` took 1.8 against 7.1 ms); a bf16 model on an
-  AVX512-BF16 CPU runs the dispatch package and a C kernel instead in forwards of up to
-  `cpu_moe.KERNEL_TOKENS` tokens (dsv4/kernels/cpu_moe.py; its `moe_few` packages are still
-  compiled, unused).
+  `ops.row_linear` (a c=1 decode step's MoE of `small` took 1.8 against 7.1 ms); on an AVX512-BF16
+  CPU a bf16 model, or an fp32 one whose weights hold bf16 values, runs the dispatch package and a C
+  kernel instead in forwards of up to `cpu_moe.KERNEL_TOKENS` tokens, and a bf16 model on a CPU with
+  AMX in forwards of any size (dsv4/kernels/cpu_moe.py; its `moe_few` packages, and the projections'
+  packages that the C kernels replace, are still compiled, unused).
 Compiled, each is one call of fused C++ kernels around its matmuls. Ahead of time rather than
 `torch.compile`'s just-in-time form because a call then skips dynamo's guards on every input: in a
 c=1 decode step (small, fp32, in process, alternated runs) the jit-compiled collapse took 207 us a
@@ -48,8 +53,9 @@ layer and batch size. The fused kernels of most pieces that serve every batch si
 (`cpp.threads`, `_ONE_THREAD`): they are small, and forking for each costs more than it saves (every
 package at two threads, the decode products then `row_linear`: a c=1 decode step of `small` took
 24.4 ms in bf16 and 33.8 in fp32, against 21.3 and 22.0 at one, the products matmuls); the matmuls
-inside follow the calling thread's count (every core, dsv4.engine.runner). The attention's entry and
-exit have two packages each, three in fp32 on the CPU, all on every thread (`_BY_TOKENS`):
+inside follow the calling thread's count (every core, dsv4.engine.runner). The attention's projections
+and exit have two packages each, three in fp32 on the CPU, all on every thread (`_BY_TOKENS`; measured
+when the entry was one piece with the mix):
 - one for forwards of at most `ops.DECODE_TOKENS` tokens, whose products are `ops.decode_linear`'s
   where this machine's one-row matmuls read weights slower than a sum does (`_decode_products`,
   measured at every start; so far bf16 on a Xeon and a Zen 4, fp32 on the Zen 4): products summed
@@ -67,7 +73,7 @@ isolation, at 1 / 8 / 32 decodes, fp32 without compressed rows, 72 / 282 / 1190.
 86 / 374 / 1464..1845 on one thread; with them, bf16 at 32, 3.5 against 5.5 ms). The decode steps'
 MoE (`moe_few`) runs on every thread too: its products spread over the picks
 (two tokens in bf16: 231 against 453 us a layer; one, 194 against 200, when they spread over the
-tokens), and its shared expert multiplies as the entry and exit do (`_decode_products`). Where they
+tokens), and its shared expert multiplies as the projections and exit do (`_decode_products`). Where they
 multiply as products, an fp32 model whose weights hold bf16 values gives these three packages bf16
 copies of the weights they read whole (`_bf16_twins`): the same math from half the bytes (a c=1 fp32
 decode step of `small` on a Zen 4, in process: 12.0 -> 9.3 ms).
@@ -194,11 +200,16 @@ _PRODUCTS_LAG = 1.25
 
 
 def _decode_products(model: PagedModel, threads: int) -> bool:
-    """Whether the decode packages (the entry's, the exit's and the MoE's shared expert) multiply as
+    """Whether the decode packages (the projections', the exit's and the MoE's shared expert) multiply as
     `ops.decode_linear` rather than with F.linear: on the CPU, where one-row F.linear over the layers'
     query projections (wq_b) lags a sum over them by `_PRODUCTS_LAG` or more. Off the CPU, F.linear
-    (the products were not measured there)."""
+    (the products were not measured there); and where the C kernels take every layer's decode steps
+    (dsv4/kernels/cpu_project.py, cpu_moe.py), which leave those packages unused, F.linear unmeasured:
+    the measurement, noisy near the threshold, keys the packages, and a flip recompiled them (~2 min)."""
     if model.embed.device.type != "cpu":
+        return False
+    if all(block.attn.kernel_weights is not None and block.ffn.kernel_weights is not None for block in model.blocks):
+        log.info("decode projections by the CPU's C kernels (their packages serve no decode step)")
         return False
     lag = ops.one_row_linear_lag([block.attn.wq_b for block in model.blocks], threads)
     products = lag >= _PRODUCTS_LAG
@@ -254,7 +265,7 @@ def _bf16_twins(model: PagedModel) -> dict[int, tuple[torch.Tensor, torch.Tensor
 
 
 def _weight_first(model: PagedModel) -> bool:
-    """Whether the attention's entry and exit get a package for forwards of a few tokens that multiplies
+    """Whether the attention's projections and exit get a package for forwards of a few tokens that multiplies
     weight first (`ops.weight_first_linear`): for an fp32 model on the CPU."""
     return model.dtype == torch.float32 and model.embed.device.type == "cpu"
 

@@ -24,8 +24,6 @@ from .plan import BatchPlan
 from .selection import SelectionSink
 from .sharding import Reducer, ShardPlan
 
-# Tensors kept in at least fp32 whatever the compute dtype, as the reference keeps them: they feed
-# the fp32 math (mHC, norms, sinks, compressor scores, routing).
 log = logging.getLogger(__name__)
 
 # How the log names the fp32 weights whose bf16 copies the CPU's C kernels read, by kind (scripts/bench
@@ -33,6 +31,8 @@ log = logging.getLogger(__name__)
 KERNEL_COPIES_LOGGED = {"projections": "the attention's kernels read bf16 copies of the fp32 projections",
                         "experts": "the MoE kernel reads bf16 copies of the fp32 experts' weights"}
 
+# Tensors kept in at least fp32 whatever the compute dtype, as the reference keeps them: they feed
+# the fp32 math (mHC, norms, sinks, compressor scores, routing).
 _FULL_PRECISION_SUFFIXES = ("_fn", "_base", "_scale", "norm.weight", "attn_sink", ".ape", "ffn.gate.weight",
                             "ffn.gate.bias")
 

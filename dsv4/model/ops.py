@@ -31,8 +31,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def weight_first_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`linear` of rows x [T, in] taken weight first, (weight @ x^T)^T: the same sums, as a transposed
-    view. The compiled attention entry and exit of fp32 forwards of a few tokens on the CPU multiply
-    this way (dsv4/model/compile.py, `_weight_first`): MKL's fp32 matmul with the weight as its
+    view. The compiled attention projections (`project_inputs`) and exit of fp32 forwards of a few
+    tokens on the CPU multiply this way (dsv4/model/compile.py, `_weight_first`): MKL's fp32 matmul with the weight as its
     transposed operand, F.linear's, reads it slowly for few rows (Zen 4, 2 cores, a [8192, 256] weight
     from memory, ms at 2 / 8 / 32 / 64 rows: 1.77 / 1.70 / 2.58 / 3.68 against 0.27 / 0.53 / 1.41 / 2.03
     weight first), while at a prefill's hundreds of rows the transposed result costs its readers more
@@ -46,11 +46,11 @@ def weight_first_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # Forwards of at most this many tokens (decode steps of up to four requests) run the compiled MoE that
 # reads each pick's expert in place (`moe.few`, with `row_linear`); past it the grouped matmuls pay.
 FEW_TOKENS = 4
-# Forwards of at most this many tokens run the attention's compiled entry and exit with `decode_linear`'s
-# products; at four tokens bf16 matmuls were faster (see there; three were not measured).
+# Forwards of at most this many tokens run the attention's compiled projections and exit with
+# `decode_linear`'s products; at four tokens bf16 matmuls were faster (see there; three were not measured).
 DECODE_TOKENS = 2
-# fp32 forwards of more tokens, up to this many, run the compiled entry and exit with `weight_first_linear`'s
-# products on the CPU (see there). `small`'s decode step in process, against F.linear's, at 4 / 16 / 30
+# fp32 forwards of more tokens, up to this many, run the compiled projections and exit with
+# `weight_first_linear`'s products on the CPU (see there). `small`'s decode step in process, against F.linear's, at 4 / 16 / 30
 # requests: 18..22 / 61..66 / 74..90 ms against 36 / 73..80 / 71..91 (the gain is gone by 30).
 WEIGHT_FIRST_TOKENS = 32
 

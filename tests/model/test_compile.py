@@ -13,7 +13,7 @@ import torch
 
 from dsv4.config import ModelConfig, ServerArgs
 from dsv4.engine.runner import ModelRunner
-from dsv4.kernels import cpu_mhc
+from dsv4.kernels import cpu_mhc, cpu_moe, cpu_project
 from dsv4.model import compile, ops, package_cache
 from dsv4.protocol import ForwardBatch, ForwardChunk
 from dsv4.weights import load_state_dict
@@ -61,11 +61,19 @@ def compile_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("compiled")
 
 
+def without_projection_kernels(monkeypatch) -> None:
+    """The model as a CPU without the C kernels of the decode steps' projections and MoE runs it: its
+    decode packages serve (with their products and twins, where chosen)."""
+    monkeypatch.setattr(cpu_project, "available", lambda: False)
+    monkeypatch.setattr(cpu_moe, "available", lambda: False)
+
+
 def test_compiled_model_equals_eager(model, caplog, compile_cache, monkeypatch):
     """With the decode products and the weights' bf16 twins (the checkpoint is bf16, served in fp32),
     whatever this machine's matmuls measure."""
     cfg, _ = model
     monkeypatch.setenv("DSV4_CACHE_DIR", str(compile_cache))
+    without_projection_kernels(monkeypatch)
     monkeypatch.setattr(ops, "one_row_linear_lag", lambda weights, threads: 2 * compile._PRODUCTS_LAG)
     prompt = torch.randint(0, cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(3)).tolist()
     with caplog.at_level(logging.INFO, logger="dsv4.model.compile"):
@@ -109,7 +117,7 @@ import logging, sys, torch
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 from dsv4.config import ModelConfig, ServerArgs
 from dsv4.engine.runner import ModelRunner
-from dsv4.kernels import cpu_mhc
+from dsv4.kernels import cpu_mhc, cpu_moe, cpu_project
 from dsv4.protocol import ForwardBatch, ForwardChunk
 from dsv4.weights import load_state_dict
 cfg = ModelConfig.from_json({str(tiny_ckpt)!r})
@@ -184,10 +192,17 @@ def test_bf16_twins_only_where_every_weight_holds_bf16_values(model):
 def test_decode_products_follow_the_measured_lag_and_key_the_packages(model, monkeypatch):
     """The decode packages multiply as `ops.decode_linear` exactly where one-row F.linear lags a sum by
     `_PRODUCTS_LAG` or more, and the choice is part of the packages' key: a package compiled with one
-    choice is never loaded for the other."""
+    choice is never loaded for the other; where the C kernels take every decode step, the packages are
+    F.linear's, unmeasured (a noisy measurement must not key packages that serve nothing)."""
     cfg, weights = model
-    m = ModelRunner(cfg, weights, ServerArgs(dtype="float32", page_size=PAGE, max_running_requests=2,
-                                             max_total_tokens=4 * PAGE, disable_compile=True)).model
+    args = ServerArgs(dtype="float32", page_size=PAGE, max_running_requests=2, max_total_tokens=4 * PAGE,
+                      disable_compile=True)
+    if cpu_project.available() and cpu_moe.available():
+        monkeypatch.setattr(ops, "one_row_linear_lag", lambda weights, threads: 2 * compile._PRODUCTS_LAG)
+        assert compile._decode_products(ModelRunner(cfg, weights, args).model, 1) is False
+        monkeypatch.undo()
+    without_projection_kernels(monkeypatch)
+    m = ModelRunner(cfg, weights, args).model
     lag = ops.one_row_linear_lag([block.attn.wq_b for block in m.blocks], 1)
     assert 0 < lag < float("inf")
     for measured, products in ((compile._PRODUCTS_LAG, True), (compile._PRODUCTS_LAG * 0.99, False)):

@@ -1,5 +1,5 @@
 """The CPU path's C kernels on AVX512-BF16 (every file in cpu/: the attention's, cpu_attention.py; the
-decode steps' MoE, cpu_moe.py, and projections, cpu_project.py; the mHC mix, cpu_mhc.py), built into
+MoE's, cpu_moe.py; the decode steps' projections, cpu_project.py; the mHC mix, cpu_mhc.py), built into
 one library with the system's C compiler once per machine into the cache (well under a second;
 logged), under a key of their sources and flags. Where the CPU
 lacks AVX512-BF16 or no compiler builds them, `available()` is False and the model computes in

@@ -4,7 +4,8 @@
  * streams (pre and post gates, the Sinkhorn-normalised comb), the next sublayer's input collapsed from
  * the streams and RMS-normed. Compiled torch code spends most of this piece's time in ~40 one-threaded
  * loops over the 4x4 Sinkhorn matrices and in separate passes over the streams; here a token's streams
- * are read once and stay in cache for every step, and its Sinkhorn is scalar code on 16 numbers.
+ * are read once and stay in cache for every step, and the Sinkhorns of four tokens run as vector code
+ * at once (for n = 4, the model's; scalar code for other n).
  *
  * Tokens are split over torch's OpenMP team (see attention.c) in groups of GROUP, which share each load
  * of the mixing projection `fn` (it is read from the cache once per group rather than once per token). */

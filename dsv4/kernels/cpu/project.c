@@ -8,6 +8,8 @@
  * row's norm and RoPE.
  * decode_exit: dsv4.model.attention.attention_exit. The inverse RoPE of the attention's output (in
  * place), its grouped low-rank projection (wo_a) and wo_b.
+ * norm_rope: for the rows of a prefill's tokens, after (or before) torch's products, the same norms and
+ * RoPE (or the exit's inverse RoPE) in place.
  *
  * Each phase's rows are split over torch's OpenMP team (see attention.c), a barrier between phases. */
 

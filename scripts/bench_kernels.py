@@ -184,28 +184,22 @@ def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
         route = partial(moe.dispatch, first_expert=0, local_experts=experts, top_k=top_k, scoring_func="sqrtsoftplus",
                         norm_topk_prob=True, routed_scaling_factor=1.5)
         grouped = partial(moe.grouped, dispatch=route, combine=partial(moe.combine, swiglu_limit=10.0), swiglu_limit=10.0)
-        for tokens in (1,) if smoke else (1, 8, 32):
-            x, ids = torch.randn(tokens, hidden, generator=gen).bfloat16(), torch.arange(tokens)
+        # (the C kernel, its name, its token counts): each after the same routing and sort as `grouped`
+        kernels = [(cpu_moe.moe_few, "bf16 MoE", (1,) if smoke else (1, 8, 32))]
+        if cpu_attention.amx_available() and not smoke:
+            kernels.append((cpu_moe.moe_tiles, "bf16 MoE on AMX", (32, 512)))
+        for moe_kernel, name, counts in kernels:
+            for tokens in counts:
+                x, ids = torch.randn(tokens, hidden, generator=gen).bfloat16(), torch.arange(tokens)
 
-            def kernel_moe(x=x, ids=ids):  # after the same routing and sort
-                _, places, picked, ends, weights, keep = route(x, ids, gate, bias)
-                return cpu_moe.moe_few(x, picked, places, ends, weights, keep, w13, w2, *shared, swiglu_limit=10.0)
+                def kernel_moe(x=x, ids=ids, moe_kernel=moe_kernel):
+                    _, places, picked, ends, weights, keep = route(x, ids, gate, bias)
+                    return moe_kernel(x, picked, places, ends, weights, keep, w13, w2, *shared, swiglu_limit=10.0)
 
-            kernel, reference = time_cpu(kernel_moe, partial(grouped, x, ids, gate, bias, w13, w2, *shared),
-                                         repeats=repeats)
-            print(f"{f'bf16 MoE, {tokens} token(s), with the routing':>44} {kernel * 1e3:>10.2f} {reference * 1e3:>9.2f} "
-                  f"{reference / kernel:>7.1f}x")
-        for tokens in () if smoke or not cpu_attention.amx_available() else (32, 512):
-            x, ids = torch.randn(tokens, hidden, generator=gen).bfloat16(), torch.arange(tokens)
-
-            def tiles_moe(x=x, ids=ids):
-                _, places, picked, ends, weights, keep = route(x, ids, gate, bias)
-                return cpu_moe.moe_tiles(x, picked, places, ends, weights, keep, w13, w2, *shared, swiglu_limit=10.0)
-
-            kernel, reference = time_cpu(tiles_moe, partial(grouped, x, ids, gate, bias, w13, w2, *shared),
-                                         repeats=repeats)
-            print(f"{f'bf16 MoE on AMX, {tokens} tokens, with the routing':>44} {kernel * 1e3:>10.2f} "
-                  f"{reference * 1e3:>9.2f} {reference / kernel:>7.1f}x")
+                kernel, reference = time_cpu(kernel_moe, partial(grouped, x, ids, gate, bias, w13, w2, *shared),
+                                             repeats=repeats)
+                print(f"{f'{name}, {tokens} token(s), with the routing':>44} {kernel * 1e3:>10.2f} "
+                      f"{reference * 1e3:>9.2f} {reference / kernel:>7.1f}x")
         n, mixes = 4, 24  # the mHC mix: 4 streams, against its torch code (eager: the compiled piece's math)
         for tokens in (1,) if smoke else (1, 32, 512):
             streams, output = torch.randn(tokens, n, hidden, generator=gen), torch.randn(tokens, hidden, generator=gen)

@@ -1,12 +1,21 @@
 /* Dot products of bf16 weight rows with a few activation rows (bf16 or fp32), the rounding of a
- * model's dtype, and rows of either dtype read and written as fp32 vectors: what the kernels of
- * moe.c, project.c and mhc.c share. */
+ * model's dtype, rows of either dtype read and written as fp32 vectors, and the MoE kernels' pick
+ * lookup: what the kernels of moe.c, moe_amx.c, project.c and mhc.c share. */
 #pragma once
 
 #include <immintrin.h>
 #include <stdint.h>
 
 #include "simd.h"
+
+/* A pick's expert: the group its row falls in (ends: where each group's padded rows end); -1 for a
+ * pick that is not this rank's. */
+static inline int64_t expert_of(int64_t place, const int32_t *ends, int64_t experts, uint8_t keep) {
+  if (!keep) return -1;
+  for (int64_t g = 0; g < experts; g++)
+    if (place < ends[g]) return g;
+  return -1;
+}
 
 static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch rounds */
   uint32_t bits;

@@ -23,15 +23,6 @@
 enum { M_TOKENS, M_STREAMS, M_HIDDEN, M_ITERS, M_BF16, M_COUNT };
 enum { GROUP = 4, MIX_BLOCK = 4, MAX_STREAMS = 8, MAX_MIXES = (2 + MAX_STREAMS) * MAX_STREAMS };
 
-static inline float sum_squares(const float *row, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = _mm512_maskz_loadu_ps(first_lanes(n - i), row + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 /* sinkhorn for n = 4 (the model's) over GROUP tokens' matrices at once (independent chains of divisions

@@ -29,15 +29,6 @@ enum { M_TOKENS, M_PICKS, M_EXPERTS, M_HIDDEN, M_INTER, M_SHARED, M_FP32, M_COUN
 enum { ROWS_A_CHUNK = 16 };
 
 
-/* A pick's expert: the group its row falls in (ends: where each group's padded rows end); -1 for a
- * pick that is not this rank's. */
-static inline int64_t expert_of(int64_t place, const int32_t *ends, int64_t experts, uint8_t keep) {
-  if (!keep) return -1;
-  for (int64_t g = 0; g < experts; g++)
-    if (place < ends[g]) return g;
-  return -1;
-}
-
 /* Hidden units: 0..picks-1 the picks', then each token's shared expert's. Each expert's weight rows
  * are read once for all of its picks (`dispatch` sorts them by expert, this rank's first). x and the
  * hidden units are bf16, or fp32 (p[M_FP32]); the weights bf16. */

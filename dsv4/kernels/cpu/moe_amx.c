@@ -35,13 +35,6 @@ static void pack_block(const uint16_t *const *rows, int64_t count, int64_t width
     for (int64_t j = 0; j < TILE; j++) packed[pair * TILE + j] = j < count ? ((const uint32_t *)rows[j])[pair] : 0;
 }
 
-static inline int64_t expert_of_pick(int64_t place, const int32_t *ends, int64_t experts, uint8_t keep) {
-  if (!keep) return -1;
-  for (int64_t g = 0; g < experts; g++)
-    if (place < ends[g]) return g;
-  return -1;
-}
-
 /* One row of 16 gate and up sums -> the SwiGLU's units as bf16: bf16(bf16(silu(min(bf16(gate), limit))) *
  * clamp(bf16(up))), as moe.c computes them one at a time (silu as gate * sigmoid(gate), the sigmoid
  * from exp_nonpositive of -|gate|: within a few fp32 ulp of moe.c's gate / (1 + expf(-gate))) */
@@ -66,10 +59,10 @@ AMX int moe_tiles(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, co
   if (!blocks) return 1;
   int64_t count = 0;
   for (int64_t k = 0; k < n_pick;) {
-    const int64_t g = expert_of_pick(places[k], ends, n_exp, keep[k]);
+    const int64_t g = expert_of(places[k], ends, n_exp, keep[k]);
     if (g < 0) break; /* (other ranks' picks sort last) */
     int64_t end = k;
-    while (end < n_pick && end - k < TILE && expert_of_pick(places[end], ends, n_exp, keep[end]) == g) end++;
+    while (end < n_pick && end - k < TILE && expert_of(places[end], ends, n_exp, keep[end]) == g) end++;
     blocks[count++] = (Block){g, k, end - k};
     k = end;
   }

@@ -68,12 +68,7 @@ static void norm_and_rotate(void *row, int64_t n, int fp32, int norm, const floa
     _mm512_mask_storeu_ps(v + i, m, load_row(row, i, !fp32, m));
   }
   if (norm) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 x = _mm512_maskz_loadu_ps(first_lanes(n - i), v + i);
-      acc = _mm512_fmadd_ps(x, x, acc);
-    }
-    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps));
+    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(sum_squares(v, n) / (float)n + eps));
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 m = first_lanes(n - i);
       __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, v + i), r);

@@ -27,3 +27,12 @@ static inline __m512 exp_nonpositive(__m512 x) {
 
 static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }
 
+/* The sum of row[0..n)^2 in fp32 (an RMS norm's) */
+static inline float sum_squares(const float *row, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(first_lanes(n - i), row + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}

@@ -1,5 +1,5 @@
 """The CPU path's C kernels on AVX512-BF16 (every file in cpu/: the attention's, cpu_attention.py; the
-MoE's, cpu_moe.py; the decode steps' projections, cpu_project.py; the mHC mix, cpu_mhc.py), built into
+MoE's and its routing, cpu_moe.py; the decode steps' projections, cpu_project.py; the mHC mix, cpu_mhc.py), built into
 one library with the system's C compiler once per machine into the cache (well under a second;
 logged), under a key of their sources and flags. Where the CPU
 lacks AVX512-BF16 or no compiler builds them, `available()` is False and the model computes in
@@ -35,6 +35,7 @@ _SIGNATURES = {
     "decode_attention": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "moe_few": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "moe_tiles": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
+    "moe_route": [_POINTER] * 9 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "band_attention": [_POINTER] * 7 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "mhc_mix": [_POINTER] * 12 + [_PARAMS, ctypes.c_float, ctypes.c_float, ctypes.c_int],
     "decode_project": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],

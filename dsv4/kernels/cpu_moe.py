@@ -1,8 +1,9 @@
 """The MoE of a decode step's tokens on AVX512-BF16 (cpu/moe.c), for a bf16 model or an fp32 one whose
 weights hold bf16 values (read from bf16 copies, widened exactly as they are read): after the routing
-and sort (dsv4.model.moe.dispatch), each expert's weights and the shared expert's read once where
-they lie, against all of their picks, rounded where dsv4.model.moe.grouped rounds. Its oracle is
-`grouped` (its test runs both against each other and against float64)."""
+and sort (dsv4.model.moe.dispatch, or `route` for a decode step's few tokens), each expert's weights
+and the shared expert's read once where they lie, against all of their picks, rounded where
+dsv4.model.moe.grouped rounds. Their oracles are `grouped` and `dispatch` (their tests run the kernels
+against `grouped` and float64, and `route` against `dispatch`)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,52 @@ import torch
 
 from .cpu_library import available, entry
 
-__all__ = ["KERNEL_TOKENS", "available", "moe_few", "moe_tiles"]
+__all__ = ["KERNEL_TOKENS", "available", "moe_few", "moe_tiles", "route"]
 
 # The most tokens the model sends through the kernel rather than the grouped matmuls (decode steps of up
 # to 32 requests; measured on a Xeon, eager routing: 32 tokens 1.5 ms against 1.9, 64 tokens 2.7 against
 # 2.3, where oneDNN's matmuls pay for the sort)
 KERNEL_TOKENS = 32
+_SCORE_FUNCTIONS = ("sqrtsoftplus", "sigmoid", "softmax")  # cpu/route.c's SCORE_*
+
+
+def route(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor, *, first_expert: int,
+          local_experts: int, top_k: int, scoring_func: str, norm_topk_prob: bool, routed_scaling_factor: float,
+          group_rows: int) -> tuple[torch.Tensor, ...]:
+    """dsv4.model.moe.dispatch's picks (places, tokens, ends, scale, keep; not its rows) of x [T, hidden]
+    bf16 or fp32 (T <= KERNEL_TOKENS), token ids [T], gate [experts, hidden] fp32 and `route` (the
+    gate's bias, fp32 [experts], or tid2eid, long [vocab, k]), with its constants; `group_rows`:
+    dsv4.model.moe.GROUP_ROWS."""
+    count, hidden = x.shape
+    experts, hashed = gate.shape[0], route.dtype == torch.long
+    problems = []
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu" or count > KERNEL_TOKENS:
+        problems.append(f"x must be bf16 or fp32 on the CPU, at most {KERNEL_TOKENS} tokens (got {x.dtype} "
+                        f"{tuple(x.shape)} on {x.device})")
+    if gate.dtype != torch.float32 or gate.shape != (experts, hidden) or token_ids.shape != (count,):
+        problems.append(f"gate {gate.dtype} {tuple(gate.shape)} and token ids {tuple(token_ids.shape)} do not fit x")
+    if (route.shape[-1] != top_k or route.dim() != 2) if hashed else (route.dtype != torch.float32
+                                                                      or route.shape != (experts,)):
+        problems.append(f"route must be tid2eid [vocab, {top_k}] long or a bias [{experts}] fp32 (got {route.dtype} "
+                        f"{tuple(route.shape)})")
+    if scoring_func not in _SCORE_FUNCTIONS or not 0 < top_k <= min(experts, 64):
+        problems.append(f"no routing by {scoring_func!r} with k {top_k} of {experts} experts")
+    if problems:
+        raise RuntimeError("cpu route: " + "; ".join(problems))
+    picks = count * top_k
+    places, tokens = torch.empty(2, picks, dtype=torch.int64)
+    ends, scale = torch.empty(local_experts, dtype=torch.int32), torch.empty(picks, 1)
+    keep = torch.empty(picks, 1, dtype=torch.bool)
+    params = (count, hidden, experts, top_k, first_expert, local_experts, x.dtype == torch.float32, hashed,
+              _SCORE_FUNCTIONS.index(scoring_func), norm_topk_prob, group_rows)
+    status = entry("moe_route")(
+        x.contiguous().data_ptr(), gate.contiguous().data_ptr(), route.contiguous().data_ptr(),
+        token_ids.to(torch.int64).contiguous().data_ptr(), places.data_ptr(), tokens.data_ptr(), ends.data_ptr(),
+        scale.data_ptr(), keep.data_ptr(), (ctypes.c_int64 * len(params))(*params), routed_scaling_factor,
+        torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("cpu route: the kernel could not allocate its scratch memory")
+    return places, tokens, ends, scale, keep
 
 
 def moe_few(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor,

@@ -5,8 +5,9 @@ are padded with zero rows to a multiple of GROUP_ROWS, so its matmuls come in a 
 few tokens of a decode step, compiled, `few` reads each pick's expert in place instead (no sort, no
 grouped matmul); on a CPU with AVX512-BF16, the forwards of up to cpu_moe.KERNEL_TOKENS tokens of a bf16
 model (or of an fp32 one whose weights hold bf16 values, from bf16 copies of them) run the same sums
-after the compiled dispatch as one C kernel instead, and on a CPU with AMX tiles a bf16 model's forwards
-of any size run them on the tiles (dsv4/kernels/cpu_moe.py).
+as one C kernel instead, and on a CPU with AMX tiles a bf16 model's forwards of any size run them on
+the tiles (dsv4/kernels/cpu_moe.py), each after the routing and sort: in C for up to KERNEL_TOKENS
+tokens, else the compiled dispatch.
 
 Routing: scores s = score_fn(x @ W_gate^T) in at least fp32; learned layers pick the top-k of s + bias
 (the bias only steers selection), hash layers pick tid2eid[token id]; the picks are weighted by their
@@ -70,15 +71,21 @@ class GroupedMoE:
         # `small` against the kernel above / the grouped matmuls, eager routing included: 1 token 0.35
         # / 0.37, 32 tokens 0.78 / 1.54, 128 tokens 1.19 / 2.32 grouped, 512 tokens 2.84 / 4.65 grouped)
         widths = (self.w13.shape[-1], self.w2.shape[-1]) + (() if self.shared[1] is None else (self.shared[1].shape[-1],))
+        self.routing = {**dispatch_constants(cfg, self.experts), "group_rows": GROUP_ROWS}  # (cpu_moe.route's)
         self.tiles = (on_cpu and self.w13.dtype == torch.bfloat16 and self.kernel_weights is not None
                       and all(width % 32 == 0 for width in widths) and cpu_attention.amx_available())
 
     def __call__(self, x: torch.Tensor, token_ids: torch.Tensor, moe: Callable, dispatch: Callable) -> torch.Tensor:
         """x [T, hidden] (ffn_norm'ed), token_ids [T] -> [T, hidden]. `moe`: `grouped` or `few` with the
         model's constants bound, eager or compiled (dsv4.model.compile.Pieces.moe); `dispatch` likewise
-        (Pieces.moe_dispatch), which the C kernel's decode steps follow."""
-        if self.tiles or (self.kernel_weights is not None and x.shape[0] <= cpu_moe.KERNEL_TOKENS):
-            _, places, tokens, ends, scale, keep = dispatch(x, token_ids, *self.router)
+        (Pieces.moe_dispatch), which the C kernels follow in forwards of more tokens than
+        cpu_moe.KERNEL_TOKENS."""
+        few = x.shape[0] <= cpu_moe.KERNEL_TOKENS
+        if self.tiles or (self.kernel_weights is not None and few):
+            if few:  # the routing and sort in C: the compiled dispatch costs ~90 us a call, most of it its own
+                places, tokens, ends, scale, keep = cpu_moe.route(x, token_ids, *self.router, **self.routing)
+            else:
+                _, places, tokens, ends, scale, keep = dispatch(x, token_ids, *self.router)
             kernel = cpu_moe.moe_tiles if self.tiles else cpu_moe.moe_few
             out = kernel(x, tokens, places, ends, scale, keep, *self.kernel_weights, swiglu_limit=self.swiglu_limit)
         else:

@@ -147,3 +147,48 @@ def test_rejects_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="multiples of 32"):
         cpu_moe.moe_tiles(x[:, :48], picks[1], picks[0], *picks[2:], w13[..., :48], w2[:, :48], None, None,
                           swiglu_limit=LIMIT)
+
+
+@pytest.mark.parametrize("scoring_func", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("tokens,experts,hidden,top_k,rank,hashed,dtype", [
+    (1, 8, 512, 2, None, False, torch.float32), (1, 8, 512, 2, None, True, torch.bfloat16),
+    (5, 16, 96, 6, (3, 7), False, torch.bfloat16), (cpu_moe.KERNEL_TOKENS, 64, 48, 4, (32, 32), False, torch.float32),
+    (19, 6, 72, 3, (1, 4), True, torch.float32), (3, 4, 40, 4, None, False, torch.float32)])
+def test_route_matches_dispatch(scoring_func, tokens, experts, hidden, top_k, rank, hashed, dtype):
+    """The C routing and sort: the same picks in the same order, rows and groups as `dispatch` (a rank's
+    experts first, its other picks last), and their weights to fp32's precision (the gate's products
+    and the score functions round in another order). Logits past softplus' threshold of 20, k = all the
+    experts, and picks by token id are among them."""
+    g = torch.Generator().manual_seed(tokens * 31 + experts)
+    x = (torch.randn(tokens, hidden, generator=g) * 3).to(dtype)
+    gate = torch.randn(experts, hidden, generator=g) * hidden**-0.5
+    if scoring_func == "sqrtsoftplus":
+        gate[0] *= 10  # (expert 0's logits reach past 20)
+    token_ids = torch.randint(0, 40, (tokens,), generator=g)
+    route = (torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(40)]) if hashed
+             else torch.randn(experts, generator=g))
+    first, local = rank or (0, experts)
+    constants = {"first_expert": first, "local_experts": local, "top_k": top_k, "scoring_func": scoring_func,
+                 "norm_topk_prob": top_k != 3, "routed_scaling_factor": 1.5}
+    _, *expected = moe.dispatch(x, token_ids, gate, route, **constants)
+    got = cpu_moe.route(x, token_ids, gate, route, **constants, group_rows=moe.GROUP_ROWS)
+    for name, have, want in zip(("places", "tokens", "ends", "scale", "keep"), got, expected, strict=True):
+        assert have.dtype == want.dtype and have.shape == want.shape, name
+        if name == "scale":
+            assert torch.allclose(have, want, rtol=2e-6, atol=1e-7)
+        else:
+            assert torch.equal(have, want), name
+
+
+def test_route_rejects_what_it_cannot_read():
+    x, gate = torch.randn(2, 64), torch.randn(4, 64)
+    constants = {"first_expert": 0, "local_experts": 4, "top_k": 2, "scoring_func": "sqrtsoftplus",
+                 "norm_topk_prob": True, "routed_scaling_factor": 1.0, "group_rows": moe.GROUP_ROWS}
+    with pytest.raises(RuntimeError, match="bf16 or fp32"):
+        cpu_moe.route(x.double(), torch.arange(2), gate, torch.zeros(4), **constants)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        cpu_moe.route(x, torch.arange(2), gate[:, :32], torch.zeros(4), **constants)
+    with pytest.raises(RuntimeError, match="tid2eid"):
+        cpu_moe.route(x, torch.arange(2), gate, torch.zeros(4, 3, dtype=torch.long), **constants)
+    with pytest.raises(RuntimeError, match="no routing"):
+        cpu_moe.route(x, torch.arange(2), gate, torch.zeros(4), **{**constants, "scoring_func": "relu"})

@@ -1,7 +1,8 @@
 """The CPU path's C kernels on AVX512-BF16 (every file in cpu/: the attention's, cpu_attention.py; the
-MoE's and its routing, cpu_moe.py; the decode steps' projections, cpu_project.py; the mHC mix, cpu_mhc.py), built into
-one library with the system's C compiler once per machine into the cache (well under a second;
-logged), under a key of their sources and flags. Where the CPU
+MoE's and its routing, cpu_moe.py; the decode steps' projections, cpu_project.py; the mHC mix,
+cpu_mhc.py; the compressors' feed, cpu_compressor.py), built into one library with the system's C
+compiler once per machine into the cache (well under a second; logged), under a key of their sources
+and flags. Where the CPU
 lacks AVX512-BF16 or no compiler builds them, `available()` is False and the model computes in
 torch ops.
 """
@@ -41,6 +42,7 @@ _SIGNATURES = {
     "decode_project": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "decode_exit": [_POINTER] * 6 + [_PARAMS, ctypes.c_int],
     "norm_rope": [_POINTER] * 4 + [_PARAMS, ctypes.c_float, ctypes.c_int],
+    "compressor_feed": [_POINTER] * 11 + [_PARAMS],
     "amx_ready": [],
 }
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from dsv4.kernels import dispatch
+from dsv4.kernels import cpu_compressor, dispatch
 from dsv4.kernels.rows import pack_index_rows, pack_main_rows
 from dsv4.memory.pools import put_rows
 
@@ -40,13 +40,19 @@ class PagedCompressor:
                 feed_rows: Callable) -> None:
         """Feed this batch's tokens (`projected`: their layer input times wkv | wgate, in the model's
         dtype) into `state` [slots, rows, 2 * width] (updated in place) through `feed_rows` (`feed`,
-        eager or compiled) and store the rows of the windows they complete in `cache` (a pool view of
+        eager or compiled; on a CPU with the C kernels, bf16 or fp32 rows into an fp32 state, their
+        `cpu_compressor.feed` instead) and store the rows of the windows they complete in `cache` (a pool view of
         `row_format` rows) at (plan.window_pages, plan.window_page_rows); `rope` rotates at
         plan.window_positions (None when no window completes). With `kernels`, through the
         dispatcher's op."""
-        windows, updates = feed_rows(projected, positions, self.ape, state[plan.state_slots, plan.state_rows],
-                                     plan.window_sources, plan.update_sources)
-        state[plan.update_slots, plan.update_rows] = updates.to(state.dtype)
+        if cpu_compressor.serves(projected, state):  # the gather, feed and scatter in one C call
+            windows = cpu_compressor.feed(projected, positions, self.ape, state, plan.state_slots, plan.state_rows,
+                                          plan.window_sources, plan.update_slots, plan.update_rows,
+                                          plan.update_sources)
+        else:
+            windows, updates = feed_rows(projected, positions, self.ape, state[plan.state_slots, plan.state_rows],
+                                         plan.window_sources, plan.update_sources)
+            state[plan.update_slots, plan.update_rows] = updates.to(state.dtype)
         if windows.shape[0] == 0:  # no window completes (most decode steps): nothing to store
             return
         if kernels:

@@ -32,6 +32,10 @@ static inline float from_bf16(uint16_t h) {
 }
 
 enum { BLOCK = 8 }; /* the most rows that share each load of a weight */
+/* How far ahead of its loads a stream of weight rows asks for them (into L2): the hardware's prefetchers
+ * stop at every 4 KB page, this does not (`small`'s decode projections at one token, 12 layers in a loop:
+ * 416..448 us a layer against 534..564) */
+enum { PREFETCH_BYTES = 4096 };
 
 /* out[j] = sum over n bf16 pairs rows[j][i] * w[i] in fp32 for j < N (n even), w read once for all:
  * N independent sums (a constant where it is inlined, so that they stay in registers). */
@@ -41,6 +45,7 @@ static inline __attribute__((always_inline)) void dots_n(const uint16_t *w, cons
   for (int j = 0; j < N; j++) acc[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 32) {
     const __mmask32 m = n - i >= 32 ? 0xffffffffu : (__mmask32)((1u << (n - i)) - 1);
+    _mm_prefetch((const char *)(w + i) + PREFETCH_BYTES, _MM_HINT_T1);
     const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + i);
     for (int j = 0; j < N; j++) acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_maskz_loadu_epi16(m, rows[j] + i), wv);
   }
@@ -54,6 +59,7 @@ static inline __attribute__((always_inline)) void dots_n_fp32(const uint16_t *w,
   for (int j = 0; j < N; j++) acc[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = first_lanes(n - i);
+    _mm_prefetch((const char *)(w + i) + PREFETCH_BYTES, _MM_HINT_T1);
     const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + i)), 16));
     for (int j = 0; j < N; j++) acc[j] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, rows[j] + i), acc[j]);
   }

@@ -13,7 +13,7 @@ import torch
 
 from .cpu_library import available, entry
 
-__all__ = ["KERNEL_TOKENS", "available", "moe_few", "moe_tiles", "route"]
+__all__ = ["KERNEL_TOKENS", "available", "moe_few", "moe_tiles", "route", "routed"]
 
 # The most tokens the model sends through the kernel rather than the grouped matmuls (decode steps of up
 # to 32 requests; measured on a Xeon, eager routing: 32 tokens 1.5 ms against 1.9, 64 tokens 2.7 against
@@ -29,6 +29,42 @@ def route(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: t
     bf16 or fp32 (T <= KERNEL_TOKENS), token ids [T], gate [experts, hidden] fp32 and `route` (the
     gate's bias, fp32 [experts], or tid2eid, long [vocab, k]), with its constants; `group_rows`:
     dsv4.model.moe.GROUP_ROWS."""
+    inputs, params = _route_inputs(x, token_ids, gate, route, first_expert, local_experts, top_k, scoring_func,
+                                   norm_topk_prob, group_rows)
+    picks = x.shape[0] * top_k
+    places, tokens = torch.empty(2, picks, dtype=torch.int64)
+    ends, scale = torch.empty(local_experts, dtype=torch.int32), torch.empty(picks, 1)
+    keep = torch.empty(picks, 1, dtype=torch.bool)
+    status = entry("moe_route")(*_pointers((*inputs, places, tokens, ends, scale, keep)), params,
+                                routed_scaling_factor, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("cpu route: the kernel could not allocate its scratch memory")
+    return places, tokens, ends, scale, keep
+
+
+def routed(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: torch.Tensor, w13: torch.Tensor,
+           w2: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, *, tiles: bool,
+           first_expert: int, local_experts: int, top_k: int, scoring_func: str, norm_topk_prob: bool,
+           routed_scaling_factor: float, group_rows: int, swiglu_limit: float) -> torch.Tensor:
+    """`route`, then `moe_tiles` (`tiles`) or `moe_few` over its picks, as one call (a decode step's MoE;
+    the picks never reach Python): this rank's share of the MoE's output [T, hidden] in fp32."""
+    name = "moe_tiles" if tiles else "moe_few"
+    route_inputs, route_params = _route_inputs(x, token_ids, gate, route, first_expert, local_experts, top_k,
+                                               scoring_func, norm_topk_prob, group_rows)
+    x, weights, moe_params = _moe_inputs(name, x, x.shape[0] * top_k, w13, w2, shared_w13, shared_w2)
+    if w13.shape[0] != local_experts:
+        raise RuntimeError(f"cpu routed: w13 holds {w13.shape[0]} experts, the routing {local_experts}")
+    out = x.new_empty(x.shape, dtype=torch.float32)
+    status = entry("moe_routed")(*_pointers(route_inputs), *_pointers(weights), out.data_ptr(), route_params,
+                                 moe_params, routed_scaling_factor, swiglu_limit, tiles, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"cpu routed: the kernel could not allocate its scratch memory ({status})")
+    return out
+
+
+def _route_inputs(x, token_ids, gate, route, first_expert, local_experts, top_k, scoring_func, norm_topk_prob,
+                  group_rows):
+    """`route`'s checks; its tensors (x, gate, route, token ids: contiguous, int64 ids) and moe_route's p[]."""
     count, hidden = x.shape
     experts, hashed = gate.shape[0], route.dtype == torch.long
     problems = []
@@ -45,20 +81,10 @@ def route(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: t
         problems.append(f"no routing by {scoring_func!r} with k {top_k} of {experts} experts")
     if problems:
         raise RuntimeError("cpu route: " + "; ".join(problems))
-    picks = count * top_k
-    places, tokens = torch.empty(2, picks, dtype=torch.int64)
-    ends, scale = torch.empty(local_experts, dtype=torch.int32), torch.empty(picks, 1)
-    keep = torch.empty(picks, 1, dtype=torch.bool)
     params = (count, hidden, experts, top_k, first_expert, local_experts, x.dtype == torch.float32, hashed,
               _SCORE_FUNCTIONS.index(scoring_func), norm_topk_prob, group_rows)
-    status = entry("moe_route")(
-        x.contiguous().data_ptr(), gate.contiguous().data_ptr(), route.contiguous().data_ptr(),
-        token_ids.to(torch.int64).contiguous().data_ptr(), places.data_ptr(), tokens.data_ptr(), ends.data_ptr(),
-        scale.data_ptr(), keep.data_ptr(), (ctypes.c_int64 * len(params))(*params), routed_scaling_factor,
-        torch.get_num_threads())
-    if status != 0:
-        raise MemoryError("cpu route: the kernel could not allocate its scratch memory")
-    return places, tokens, ends, scale, keep
+    inputs = (x.contiguous(), gate.contiguous(), route.contiguous(), token_ids.to(torch.int64).contiguous())
+    return inputs, (ctypes.c_int64 * len(params))(*params)
 
 
 def moe_few(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor,
@@ -88,8 +114,29 @@ def moe_tiles(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends:
 def _moe(name: str, x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: torch.Tensor,
          scale: torch.Tensor, keep: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor | None,
          shared_w2: torch.Tensor | None, swiglu_limit: float) -> torch.Tensor:
+    picks, experts = tokens.shape[0], w13.shape[0]
+    x, weights, params = _moe_inputs(name, x, picks, w13, w2, shared_w13, shared_w2)
+    if places.shape != (picks,) or scale.shape != (picks, 1) or keep.shape != (picks, 1) or ends.shape != (experts,):
+        raise RuntimeError(f"{name}: places [P], scale [P, 1], keep [P, 1] and ends [E] must fit the picks and the "
+                           f"experts")
+    tokens, places = (t.to(torch.int64).contiguous() for t in (tokens, places))
+    ends, scale = ends.to(torch.int32).contiguous(), scale.to(torch.float32).contiguous()
+    keep = keep.to(torch.bool).contiguous().view(torch.uint8)
+    out = x.new_empty(x.shape, dtype=torch.float32)
+    status = entry(name)(x.data_ptr(), *_pointers(weights), tokens.data_ptr(), places.data_ptr(), ends.data_ptr(),
+                         keep.data_ptr(), scale.data_ptr(), out.data_ptr(), params, swiglu_limit,
+                         torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"{name}: the kernel could not allocate its scratch memory")
+    return out
+
+
+def _moe_inputs(name: str, x: torch.Tensor, picks: int, w13: torch.Tensor, w2: torch.Tensor,
+                shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None):
+    """The MoE kernels' checks of x and the weights; x and the weights contiguous (None for an absent
+    shared expert), and the kernel's p[] for `picks` picks."""
     count, hidden = x.shape
-    picks, experts, inter = tokens.shape[0], w13.shape[0], w2.shape[2]
+    experts, inter = w13.shape[0], w2.shape[2]
     shared = 0 if shared_w13 is None else shared_w2.shape[1]
     weights = [w13, w2] + ([shared_w13, shared_w2] if shared else [])
     problems = []
@@ -101,21 +148,12 @@ def _moe(name: str, x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor,
         problems.append(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit hidden {hidden}")
     if shared and (shared_w13.shape != (2 * shared, hidden) or shared_w2.shape != (hidden, shared)):
         problems.append(f"shared_w13 {tuple(shared_w13.shape)} and shared_w2 {tuple(shared_w2.shape)} do not fit")
-    if places.shape != (picks,) or scale.shape != (picks, 1) or keep.shape != (picks, 1) or ends.shape != (experts,):
-        problems.append("places [P], scale [P, 1], keep [P, 1] and ends [E] must fit the picks and the experts")
     if problems:
         raise RuntimeError(f"{name}: " + "; ".join(problems))
-    x, *weights = (t.contiguous() for t in (x, *weights))
-    tokens, places = (t.to(torch.int64).contiguous() for t in (tokens, places))
-    ends, scale = ends.to(torch.int32).contiguous(), scale.to(torch.float32).contiguous()
-    keep = keep.to(torch.bool).contiguous().view(torch.uint8)
-    out = x.new_empty(count, hidden, dtype=torch.float32)
+    weights = [t.contiguous() for t in weights] + ([] if shared else [None, None])
     params = (count, picks, experts, hidden, inter, shared, x.dtype == torch.float32)
-    pointers = [t.data_ptr() for t in weights] + ([] if shared else [None, None])
-    status = entry(name)(
-        x.data_ptr(), *pointers, tokens.data_ptr(), places.data_ptr(), ends.data_ptr(), keep.data_ptr(),
-        scale.data_ptr(), out.data_ptr(), (ctypes.c_int64 * len(params))(*params), swiglu_limit,
-        torch.get_num_threads())
-    if status != 0:
-        raise MemoryError(f"{name}: the kernel could not allocate its scratch memory")
-    return out
+    return x.contiguous(), weights, (ctypes.c_int64 * len(params))(*params)
+
+
+def _pointers(tensors) -> list[int | None]:
+    return [None if t is None else t.data_ptr() for t in tensors]

@@ -71,7 +71,7 @@ class GroupedMoE:
         # `small` against the kernel above / the grouped matmuls, eager routing included: 1 token 0.35
         # / 0.37, 32 tokens 0.78 / 1.54, 128 tokens 1.19 / 2.32 grouped, 512 tokens 2.84 / 4.65 grouped)
         widths = (self.w13.shape[-1], self.w2.shape[-1]) + (() if self.shared[1] is None else (self.shared[1].shape[-1],))
-        self.routing = {**dispatch_constants(cfg, self.experts), "group_rows": GROUP_ROWS}  # (cpu_moe.route's)
+        self.routing = {**dispatch_constants(cfg, self.experts), "group_rows": GROUP_ROWS}  # (cpu_moe.routed's)
         self.tiles = (on_cpu and self.w13.dtype == torch.bfloat16 and self.kernel_weights is not None
                       and all(width % 32 == 0 for width in widths) and cpu_attention.amx_available())
 
@@ -81,13 +81,14 @@ class GroupedMoE:
         (Pieces.moe_dispatch), which the C kernels follow in forwards of more tokens than
         cpu_moe.KERNEL_TOKENS."""
         few = x.shape[0] <= cpu_moe.KERNEL_TOKENS
-        if self.tiles or (self.kernel_weights is not None and few):
-            if few:  # the routing and sort in C: the compiled dispatch costs ~90 us a call, most of it its own
-                places, tokens, ends, scale, keep = cpu_moe.route(x, token_ids, *self.router, **self.routing)
-            else:
-                _, places, tokens, ends, scale, keep = dispatch(x, token_ids, *self.router)
-            kernel = cpu_moe.moe_tiles if self.tiles else cpu_moe.moe_few
-            out = kernel(x, tokens, places, ends, scale, keep, *self.kernel_weights, swiglu_limit=self.swiglu_limit)
+        if self.kernel_weights is not None and few:  # with the routing and sort in C, in the same call (the
+            # compiled dispatch took ~90 us a layer, most of it its own overhead)
+            out = cpu_moe.routed(x, token_ids, *self.router, *self.kernel_weights, tiles=self.tiles, **self.routing,
+                                 swiglu_limit=self.swiglu_limit)
+        elif self.tiles:
+            _, places, tokens, ends, scale, keep = dispatch(x, token_ids, *self.router)
+            out = cpu_moe.moe_tiles(x, tokens, places, ends, scale, keep, *self.kernel_weights,
+                                    swiglu_limit=self.swiglu_limit)
         else:
             out = moe(x, token_ids, *self.router, self.w13, self.w2, *self.shared)
         if self.reduce is not None:

@@ -192,3 +192,26 @@ def test_route_rejects_what_it_cannot_read():
         cpu_moe.route(x, torch.arange(2), gate, torch.zeros(4, 3, dtype=torch.long), **constants)
     with pytest.raises(RuntimeError, match="no routing"):
         cpu_moe.route(x, torch.arange(2), gate, torch.zeros(4), **{**constants, "scoring_func": "relu"})
+
+
+@pytest.mark.parametrize("tiles", [False, True])
+@pytest.mark.parametrize("tokens,hashed,dtype,rank", [(1, False, torch.bfloat16, None), (7, True, torch.bfloat16, (2, 4)),
+                                                      (cpu_moe.KERNEL_TOKENS, False, torch.float32, None)])
+def test_routed_is_route_then_the_kernel(tiles, tokens, hashed, dtype, rank):
+    """The one-call decode MoE gives the bits of `route` followed by the kernel."""
+    if tiles and (dtype != torch.bfloat16 or not cpu_attention.amx_available()):
+        pytest.skip("the tiles run bf16 models on CPUs with AMX")
+    gate, w13, w2, shared = experts_of(tokens, 8, 128, 64, 96)
+    first, local = rank or (0, 8)
+    w13, w2 = w13[first:first + local], w2[first:first + local]
+    x = (torch.randn(tokens, 128, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    token_ids = torch.randint(0, 20, (tokens,), generator=torch.Generator().manual_seed(4))
+    route = (torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(i))[:2] for i in range(20)])
+             if hashed else torch.randn(8, generator=torch.Generator().manual_seed(5)))
+    constants = {"first_expert": first, "local_experts": local, "top_k": 2, "scoring_func": "sqrtsoftplus",
+                 "norm_topk_prob": True, "routed_scaling_factor": 1.5, "group_rows": moe.GROUP_ROWS}
+    places, tokens_, ends, scale, keep = cpu_moe.route(x, token_ids, gate, route, **constants)
+    kernel = cpu_moe.moe_tiles if tiles else cpu_moe.moe_few
+    expected = kernel(x, tokens_, places, ends, scale, keep, w13, w2, *shared, swiglu_limit=LIMIT)
+    got = cpu_moe.routed(x, token_ids, gate, route, w13, w2, *shared, tiles=tiles, **constants, swiglu_limit=LIMIT)
+    assert torch.equal(got, expected)

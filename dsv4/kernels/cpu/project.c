@@ -42,17 +42,20 @@ static inline void store_at(void *base, int64_t i, int fp32, float v) {
     ((uint16_t *)base)[i] = to_bf16(v);
 }
 
-/* out[t][j] = as_model(rows[t] . w[j]) for the rows j of w [count, n] this thread takes */
-static void products(const uint16_t *w, int64_t count, int64_t n, const void *rows_base, int64_t tokens,
-                     int64_t row_stride, int fp32, void *out, int64_t out_stride) {
+/* out[t][g * count + j] = as_model(rows[t][g * n .. (g + 1) * n) . w[g][j]) for each of `groups` weights
+ * [count, n] (one after another in w), the rows j of every group split over the team at once (no
+ * barrier between groups) */
+static void products(const uint16_t *w, int64_t groups, int64_t count, int64_t n, const void *rows_base,
+                             int64_t tokens, int64_t row_stride, int fp32, void *out) {
   const int64_t size = fp32 ? 4 : 2;
-  const void *rows[BLOCK];
-  for (int64_t t = 0; t < tokens; t++) rows[t] = (const char *)rows_base + t * row_stride * size;
 #pragma omp for schedule(static)
-  for (int64_t j = 0; j < count; j++) {
+  for (int64_t item = 0; item < groups * count; item++) {
+    const int64_t g = item / count;
+    const void *rows[BLOCK];
     float sums[BLOCK];
-    dots(w + j * n, rows, (int)tokens, n, fp32, sums);
-    for (int64_t t = 0; t < tokens; t++) store_at(out, t * out_stride + j, fp32, sums[t]);
+    for (int64_t t = 0; t < tokens; t++) rows[t] = (const char *)rows_base + (t * row_stride + g * n) * size;
+    dots(w + item * n, rows, (int)tokens, n, fp32, sums);
+    for (int64_t t = 0; t < tokens; t++) store_at(out, t * groups * count + item, fp32, sums[t]);
   }
 }
 
@@ -121,14 +124,14 @@ int decode_project(const void *x, const uint16_t *w_input, const float *q_norm, 
   if (tokens > BLOCK) return 2;
 #pragma omp parallel num_threads(threads)
   {
-    products(w_input, width, hidden, x, tokens, hidden, fp32, projected, width);
+    products(w_input, 1, width, hidden, x, tokens, hidden, fp32, projected);
 #pragma omp single
     for (int64_t t = 0; t < tokens; t++) { /* the low-rank query's norm: no rotation */
       char *row = (char *)qr + t * q_rank * size;
       for (int64_t i = 0; i < q_rank; i++) store_at(row, i, fp32, load_at(projected, t * width + i, fp32));
       norm_and_rotate(row, q_rank, fp32, 1, q_norm, eps, cos2, sin2, 0, 0);
     }
-    products(wq_b, heads * dim, q_rank, qr, tokens, q_rank, fp32, q, heads * dim);
+    products(wq_b, 1, heads * dim, q_rank, qr, tokens, q_rank, fp32, q);
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < tokens * (heads + 1); item++) {
       const int64_t t = item / (heads + 1), h = item % (heads + 1);
@@ -162,10 +165,8 @@ int decode_exit(void *out, const float *cos2, const float *sin2, const uint16_t 
     for (int64_t item = 0; item < tokens * heads; item++)
       norm_and_rotate((char *)out + item * dim * size, dim, fp32, 0, NULL, 0.0f, cos2 + item / heads * rope,
                       sin2 + item / heads * rope, rope, 1);
-    for (int64_t g = 0; g < groups; g++) /* (each group's rows split over the team: a barrier after each) */
-      products(wo_a + g * o_rank * span, o_rank, span, (char *)out + g * span * size, tokens, heads * dim, fp32,
-               (char *)low + g * o_rank * size, groups * o_rank);
-    products(wo_b, hidden, groups * o_rank, low, tokens, groups * o_rank, fp32, result, hidden);
+    products(wo_a, groups, o_rank, span, out, tokens, heads * dim, fp32, low);
+    products(wo_b, 1, hidden, groups * o_rank, low, tokens, groups * o_rank, fp32, result);
   }
   free(low);
   return 0;

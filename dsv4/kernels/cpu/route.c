@@ -127,3 +127,31 @@ int moe_route(const void *x, const float *gate, const void *route, const int64_t
   free(chosen);
   return 0;
 }
+
+int moe_few(const void *x, const uint16_t *w13, const uint16_t *w2, const uint16_t *shared_w13,
+            const uint16_t *shared_w2, const int64_t *tokens, const int64_t *places, const int32_t *ends,
+            const uint8_t *keep, const float *scale, float *out, const int64_t *p, float limit, int threads);
+int moe_tiles(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, const uint16_t *shared_w13,
+              const uint16_t *shared_w2, const int64_t *tokens, const int64_t *places, const int32_t *ends,
+              const uint8_t *keep, const float *scale, float *out, const int64_t *p, float limit, int threads);
+
+/* moe_route, then moe_few (or moe_tiles, `tiles`) over its picks: the MoE of a decode step's tokens in
+ * one call. rp[]: moe_route's p[]; mp[]: the MoE kernel's (its picks T * k). */
+int moe_routed(const void *x, const float *gate, const void *route, const int64_t *token_ids, const uint16_t *w13,
+               const uint16_t *w2, const uint16_t *shared_w13, const uint16_t *shared_w2, float *out,
+               const int64_t *rp, const int64_t *mp, float scaling, float limit, int tiles, int threads) {
+  const int64_t picks = rp[R_TOKENS] * rp[R_TOP_K], local = rp[R_LOCAL];
+  /* the picks' places, tokens, ends, scale and keep, in one allocation */
+  char *scratch = malloc(sizeof(int64_t) * 2 * picks + sizeof(int32_t) * local + (sizeof(float) + 1) * picks + 8);
+  if (!scratch) return 1;
+  int64_t *places = (int64_t *)scratch, *tokens = places + picks;
+  float *scale = (float *)(tokens + picks);
+  int32_t *ends = (int32_t *)(scale + picks);
+  uint8_t *keep = (uint8_t *)(ends + local);
+  int status = moe_route(x, gate, route, token_ids, places, tokens, ends, scale, keep, rp, scaling, threads);
+  if (status == 0)
+    status = tiles ? moe_tiles(x, w13, w2, shared_w13, shared_w2, tokens, places, ends, keep, scale, out, mp, limit, threads)
+                   : moe_few(x, w13, w2, shared_w13, shared_w2, tokens, places, ends, keep, scale, out, mp, limit, threads);
+  free(scratch);
+  return status;
+}

@@ -25,7 +25,7 @@ def serves(projected: torch.Tensor, state: torch.Tensor) -> bool:
 def feed(projected: torch.Tensor, positions: torch.Tensor, ape: torch.Tensor, state: torch.Tensor,
          state_slots: torch.Tensor, state_rows: torch.Tensor, window_sources: torch.Tensor,
          update_slots: torch.Tensor, update_rows: torch.Tensor, update_sources: torch.Tensor) -> torch.Tensor:
-    """projected [T, 2 * width] (rows may be strided; bf16 or fp32), positions [T], ape [ratio, width]
+    """projected [T, 2 * width] (any strides; bf16 or fp32), positions [T], ape [ratio, width]
     fp32, state [slots, rows, 2 * width] fp32 (a pool's view: updated in place) and a CompressPlan's
     index tensors -> the slots of every window the tokens complete [n_windows, span, 2 * width] fp32
     (`feed`'s first result); the state's changed rows are written (`feed`'s second, stored)."""
@@ -36,9 +36,9 @@ def feed(projected: torch.Tensor, positions: torch.Tensor, ape: torch.Tensor, st
     if not serves(projected, state):
         problems.append(f"projected must be bf16 or fp32 and the state fp32, on the CPU (got {projected.dtype}, "
                         f"{state.dtype} on {projected.device})")
-    if projected.shape != (tokens, 2 * width) or projected.stride(1) != 1 or positions.shape != (tokens,):
-        problems.append(f"projected {tuple(projected.shape)} (rows contiguous) and positions {tuple(positions.shape)} "
-                        f"do not fit ape {tuple(ape.shape)}")
+    if projected.shape != (tokens, 2 * width) or positions.shape != (tokens,):
+        problems.append(f"projected {tuple(projected.shape)} and positions {tuple(positions.shape)} do not fit ape "
+                        f"{tuple(ape.shape)}")
     if ape.dtype != torch.float32 or state.dim() != 3 or state.shape[2] != 2 * width or state.stride(2) != 1:
         problems.append(f"ape must be fp32 and state [slots, rows, {2 * width}] with contiguous rows (got "
                         f"{ape.dtype}, {tuple(state.shape)})")
@@ -48,12 +48,13 @@ def feed(projected: torch.Tensor, positions: torch.Tensor, ape: torch.Tensor, st
         raise RuntimeError("cpu compressor feed: " + "; ".join(problems))
     indices = [t.to(torch.int64).contiguous() for t in (positions, state_slots, state_rows, window_sources,
                                                         update_slots, update_rows, update_sources)]
+    ape = ape.contiguous()  # (held: a copy's memory must outlive the call)
     out = torch.empty(windows, span, 2 * width)
-    params = (tokens, width, ratio, projected.stride(0), projected.dtype == torch.float32, state.stride(0),
+    params = (tokens, width, ratio, *projected.stride(), projected.dtype == torch.float32, state.stride(0),
               state.stride(1), state_slots.shape[0], windows, span, update_slots.shape[0])
     positions, state_slots, state_rows, window_sources, update_slots, update_rows, update_sources = indices
     status = entry("compressor_feed")(
-        projected.data_ptr(), positions.data_ptr(), ape.contiguous().data_ptr(), state.data_ptr(),
+        projected.data_ptr(), positions.data_ptr(), ape.data_ptr(), state.data_ptr(),
         state_slots.data_ptr(), state_rows.data_ptr(), window_sources.data_ptr(), update_slots.data_ptr(),
         update_rows.data_ptr(), update_sources.data_ptr(), out.data_ptr(), (ctypes.c_int64 * len(params))(*params))
     if status != 0:

@@ -13,17 +13,18 @@
 
 #include "dots.h"
 
-/* p[]: tokens, the rows' width (the kv half's; the score half as wide), ratio, the projected rows' stride,
- * whether they are fp32 (else bf16), the state's slot and row strides (elements; a pool's view), state
- * rows read, windows, slots a window pools, rows updated */
-enum { F_TOKENS, F_WIDTH, F_RATIO, F_STRIDE, F_FP32, F_SLOT_STRIDE, F_ROW_STRIDE, F_READ, F_WINDOWS, F_SPAN,
-       F_UPDATES, F_COUNT };
+/* p[]: tokens, the rows' width (the kv half's; the score half as wide), ratio, the projected rows' strides
+ * (a token's, a column's: a compiled product may return them transposed), whether they are fp32 (else
+ * bf16), the state's slot and row strides (elements; a pool's view), state rows read, windows, slots a
+ * window pools, rows updated */
+enum { F_TOKENS, F_WIDTH, F_RATIO, F_STRIDE, F_COLUMN_STRIDE, F_FP32, F_SLOT_STRIDE, F_ROW_STRIDE, F_READ, F_WINDOWS,
+       F_SPAN, F_UPDATES, F_COUNT };
 
 typedef struct {
   const void *projected;
   const int64_t *positions, *state_slots, *state_rows;
   const float *ape, *state;
-  int64_t tokens, width, ratio, stride, slot_stride, row_stride, read;
+  int64_t tokens, width, ratio, stride, column_stride, slot_stride, row_stride, read;
   int fp32;
 } Source;
 
@@ -40,17 +41,17 @@ static void source_row(const Source *s, int64_t index, float *out) {
     for (int64_t i = 0; i < width; i++) out[i] = 0.0f, out[width + i] = -INFINITY;
     return;
   }
-  const char *row = (const char *)s->projected + t * s->stride * (s->fp32 ? 4 : 2);
   const float *ape = s->ape + s->positions[t] % s->ratio * width;
   for (int64_t i = 0; i < width; i++) {
-    out[i] = s->fp32 ? ((const float *)row)[i] : from_bf16(((const uint16_t *)row)[i]);
-    const float gate = s->fp32 ? ((const float *)row)[width + i] : from_bf16(((const uint16_t *)row)[width + i]);
-    out[width + i] = gate + ape[i];
+    const int64_t kv = t * s->stride + i * s->column_stride, gate = kv + width * s->column_stride;
+    out[i] = s->fp32 ? ((const float *)s->projected)[kv] : from_bf16(((const uint16_t *)s->projected)[kv]);
+    out[width + i] = (s->fp32 ? ((const float *)s->projected)[gate] : from_bf16(((const uint16_t *)s->projected)[gate]))
+                     + ape[i];
   }
 }
 
-/* projected [T, >= 2 * width] (row stride p[F_STRIDE]) bf16 or fp32, positions [T], ape [ratio, width],
- * state [slots, rows, 2 * width] fp32 (strided; updated in place), the plan's state_slots and state_rows [read],
+/* projected [T, 2 * width] (strided) bf16 or fp32, positions [T], ape [ratio, width], state [slots, rows,
+ * 2 * width] fp32 (strided; updated in place), the plan's state_slots and state_rows [read],
  * window_sources [windows, span], update_slots, update_rows and update_sources [updates] -> windows
  * [windows, span, 2 * width] fp32 */
 int compressor_feed(const void *projected, const int64_t *positions, const float *ape, float *state,
@@ -58,7 +59,7 @@ int compressor_feed(const void *projected, const int64_t *positions, const float
                     const int64_t *update_slots, const int64_t *update_rows, const int64_t *update_sources,
                     float *windows, const int64_t *p) {
   const Source s = {projected, positions, state_slots, state_rows, ape, state, p[F_TOKENS], p[F_WIDTH], p[F_RATIO],
-                    p[F_STRIDE], p[F_SLOT_STRIDE], p[F_ROW_STRIDE], p[F_READ], (int)p[F_FP32]};
+                    p[F_STRIDE], p[F_COLUMN_STRIDE], p[F_SLOT_STRIDE], p[F_ROW_STRIDE], p[F_READ], (int)p[F_FP32]};
   const int64_t row = 2 * s.width, updates = p[F_UPDATES];
   for (int64_t n = 0; n < p[F_WINDOWS] * p[F_SPAN]; n++) source_row(&s, window_sources[n], windows + n * row);
   float *changed = malloc(sizeof(float) * (updates ? updates : 1) * row);

@@ -181,10 +181,12 @@ def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
         shared = ((torch.randn(2 * inter, hidden, generator=gen) * hidden**-0.5).bfloat16(),
                   (torch.randn(hidden, inter, generator=gen) * inter**-0.5).bfloat16())
         gate, bias = torch.randn(experts, hidden, generator=gen) * hidden**-0.5, torch.randn(experts, generator=gen)
-        route = partial(moe.dispatch, first_expert=0, local_experts=experts, top_k=top_k, scoring_func="sqrtsoftplus",
-                        norm_topk_prob=True, routed_scaling_factor=1.5)
+        constants = {"first_expert": 0, "local_experts": experts, "top_k": top_k, "scoring_func": "sqrtsoftplus",
+                     "norm_topk_prob": True, "routed_scaling_factor": 1.5}
+        route = partial(moe.dispatch, **constants)
         grouped = partial(moe.grouped, dispatch=route, combine=partial(moe.combine, swiglu_limit=10.0), swiglu_limit=10.0)
-        # (the C kernel, its name, its token counts): each after the same routing and sort as `grouped`
+        # (the C kernel, its name, its token counts): each with the same routing and sort as `grouped`, in C
+        # in the same call up to cpu_moe.KERNEL_TOKENS tokens (as the model runs it), else eager before it
         kernels = [(cpu_moe.moe_few, "bf16 MoE", (1,) if smoke else (1, 8, 32))]
         if cpu_attention.amx_available() and not smoke:
             kernels.append((cpu_moe.moe_tiles, "bf16 MoE on AMX", (32, 512)))
@@ -193,6 +195,9 @@ def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
                 x, ids = torch.randn(tokens, hidden, generator=gen).bfloat16(), torch.arange(tokens)
 
                 def kernel_moe(x=x, ids=ids, moe_kernel=moe_kernel):
+                    if x.shape[0] <= cpu_moe.KERNEL_TOKENS:
+                        return cpu_moe.routed(x, ids, gate, bias, w13, w2, *shared, tiles=moe_kernel is cpu_moe.moe_tiles,
+                                              **constants, group_rows=moe.GROUP_ROWS, swiglu_limit=10.0)
                     _, places, picked, ends, weights, keep = route(x, ids, gate, bias)
                     return moe_kernel(x, picked, places, ends, weights, keep, w13, w2, *shared, swiglu_limit=10.0)
 

@@ -2,9 +2,8 @@
 MoE's and its routing, cpu_moe.py; the decode steps' projections, cpu_project.py; the mHC mix,
 cpu_mhc.py; the compressors' feed, cpu_compressor.py), built into one library with the system's C
 compiler once per machine into the cache (well under a second; logged), under a key of their sources
-and flags. Where the CPU
-lacks AVX512-BF16 or no compiler builds them, `available()` is False and the model computes in
-torch ops.
+and flags. Where the CPU lacks AVX512-BF16 or no compiler builds them, `available()` is False and the
+model computes in torch ops.
 """
 
 from __future__ import annotations

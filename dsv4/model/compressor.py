@@ -40,9 +40,9 @@ class PagedCompressor:
                 feed_rows: Callable) -> None:
         """Feed this batch's tokens (`projected`: their layer input times wkv | wgate, in the model's
         dtype) into `state` [slots, rows, 2 * width] (updated in place) through `feed_rows` (`feed`,
-        eager or compiled; on a CPU with the C kernels, bf16 or fp32 rows into an fp32 state, their
-        `cpu_compressor.feed` instead) and store the rows of the windows they complete in `cache` (a pool view of
-        `row_format` rows) at (plan.window_pages, plan.window_page_rows); `rope` rotates at
+        eager or compiled; on a CPU with the C kernels, bf16 or fp32 rows into an fp32 state,
+        `cpu_compressor.feed` instead) and store the rows of the windows they complete in `cache` (a
+        pool view of `row_format` rows) at (plan.window_pages, plan.window_page_rows); `rope` rotates at
         plan.window_positions (None when no window completes). With `kernels`, through the
         dispatcher's op."""
         if cpu_compressor.serves(projected, state):  # the gather, feed and scatter in one C call

@@ -46,7 +46,7 @@ static inline void store_at(void *base, int64_t i, int fp32, float v) {
  * [count, n] (one after another in w), the rows j of every group split over the team at once (no
  * barrier between groups) */
 static void products(const uint16_t *w, int64_t groups, int64_t count, int64_t n, const void *rows_base,
-                             int64_t tokens, int64_t row_stride, int fp32, void *out) {
+                     int64_t tokens, int64_t row_stride, int fp32, void *out) {
   const int64_t size = fp32 ? 4 : 2;
 #pragma omp for schedule(static)
   for (int64_t item = 0; item < groups * count; item++) {

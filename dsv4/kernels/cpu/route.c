@@ -1,6 +1,7 @@
-/* The MoE's routing and sort for a decode step's tokens (dsv4/kernels/cpu_moe.py's `route`):
- * dsv4.model.moe.dispatch without its padded rows (the C kernels read x where it lies), in one call
- * instead of a compiled package's (~90 us a layer of `small`, most of it the package's own overhead).
+/* The MoE's routing and sort for a decode step's tokens (dsv4/kernels/cpu_moe.py's `route`, and
+ * `routed`: then the MoE kernel, in the same call): dsv4.model.moe.dispatch without its padded rows
+ * (the C kernels read x where it lies), instead of a compiled package's call (~90 us a layer of
+ * `small`, most of it the package's own overhead).
  *
  * Each token's scores s = score_fn(x . gate[e]) in fp32 for every expert e (every rank routes every
  * token alike); its picks: hash layers tid2eid[token id], learned layers the top k of s + bias (the

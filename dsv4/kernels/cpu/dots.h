@@ -1,6 +1,6 @@
 /* Dot products of bf16 weight rows with a few activation rows (bf16 or fp32), the rounding of a
- * model's dtype, rows of either dtype read and written as fp32 vectors, and the MoE kernels' pick
- * lookup: what the kernels of moe.c, moe_amx.c, project.c and mhc.c share. */
+ * model's dtype, rows of either dtype read and written as fp32 (vectors, or one element), and the MoE
+ * kernels' pick lookup: what the kernels of moe.c, moe_amx.c, project.c, mhc.c, route.c and feed.c share. */
 #pragma once
 
 #include <immintrin.h>
@@ -29,6 +29,11 @@ static inline float from_bf16(uint16_t h) {
   float f;
   __builtin_memcpy(&f, &bits, 4);
   return f;
+}
+
+/* base[i], fp32 (else bf16 bits), as fp32 */
+static inline float load_at(const void *base, int64_t i, int fp32) {
+  return fp32 ? ((const float *)base)[i] : from_bf16(((const uint16_t *)base)[i]);
 }
 
 enum { BLOCK = 8 }; /* the most rows that share each load of a weight */

@@ -44,9 +44,8 @@ static void source_row(const Source *s, int64_t index, float *out) {
   const float *ape = s->ape + s->positions[t] % s->ratio * width;
   for (int64_t i = 0; i < width; i++) {
     const int64_t kv = t * s->stride + i * s->column_stride, gate = kv + width * s->column_stride;
-    out[i] = s->fp32 ? ((const float *)s->projected)[kv] : from_bf16(((const uint16_t *)s->projected)[kv]);
-    out[width + i] = (s->fp32 ? ((const float *)s->projected)[gate] : from_bf16(((const uint16_t *)s->projected)[gate]))
-                     + ape[i];
+    out[i] = load_at(s->projected, kv, s->fp32);
+    out[width + i] = load_at(s->projected, gate, s->fp32) + ape[i];
   }
 }
 

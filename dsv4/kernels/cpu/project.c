@@ -30,10 +30,6 @@ enum { X_TOKENS, X_HEADS, X_DIM, X_GROUPS, X_O_RANK, X_HIDDEN, X_ROPE, X_FP32, X
  * rotate), whether to rotate backwards */
 enum { N_TOKENS, N_HEADS, N_DIM, N_ROPE, N_FP32, N_NORM, N_INVERSE, N_COUNT };
 
-static inline float load_at(const void *base, int64_t i, int fp32) {
-  return fp32 ? ((const float *)base)[i] : from_bf16(((const uint16_t *)base)[i]);
-}
-
 /* v rounded into the model's dtype and stored at base[i] */
 static inline void store_at(void *base, int64_t i, int fp32, float v) {
   if (fp32)

@@ -1,14 +1,13 @@
-"""The CPU path's attention as C kernels on AVX512-BF16 (cpu/attention.c):
-- `band_softmax`: the softmax weights of prefill chunks' query blocks over their bands and the
-  compressed rows (dsv4.model.attention.banded_sink_attention) for bf16-valued operands: the logits'
-  products on the CPU's bf16 units, summed in fp32 (exact products: the same sums as fp32
-  arithmetic, in another order), a tile of rows at a time while it is in cache;
-- `band_attention`: the whole attention of prefill chunks' query blocks (banded_sink_attention) for
-  a bf16 model on AMX tiles (cpu/band_amx.c): the logits' products exact, the softmax weights split
-  into three bf16 pieces that sum to them exactly, so that the value products are exact on the tiles
-  too; the same sums as fp32 arithmetic, in another order;
-- `decode_attention`: the whole attention of decode tokens over their rings and compressed rows
-  where they lie in the pools (dsv4.model.attention.decode_sink_attention), in bf16 (logits as bf16
+"""The CPU path's attention as C kernels on AVX512-BF16:
+- `band_attention`: the whole attention of prefill chunks' query blocks (dsv4.model.attention.
+  banded_sink_attention) for a bf16 model, the logits' products exact on the CPU's bf16 units (bf16
+  pairs summed in fp32); the same sums as fp32 arithmetic, in another order. On AMX tiles
+  (cpu/band_amx.c) the softmax weights are split into three bf16 pieces that sum to them exactly, so
+  that the value products are exact on the tiles too; on AVX512-BF16 alone (cpu/band_dots.c) the
+  value products are fp32 FMAs, and only the columns some query of a work item attends to are
+  computed;
+- `decode_attention` (cpu/attention.c): the whole attention of decode tokens over their rings and
+  compressed rows where they lie in the pools (dsv4.model.attention.decode_sink_attention), in bf16 (logits as bf16
   pair products) or fp32 (FMAs); softmax and value products in fp32.
 Their oracle is the model's torch code for the same math (its tests run both against dsv4.reference).
 
@@ -27,36 +26,44 @@ from dsv4.config.server_args import cpu_has_amx_bf16
 
 from .cpu_library import available, entry
 
-__all__ = ["amx_available", "available", "band_attention", "band_softmax", "decode_attention"]
+__all__ = ["amx_available", "available", "band_attention", "decode_attention", "tiles_read"]
 
 
 @functools.cache
 def amx_available() -> bool:
-    """Whether `band_attention` runs here: the CPU has AMX tiles for bf16, the kernels are built and
-    Linux lets this process use the tiles."""
+    """Whether `band_attention` runs on AMX tiles here: the CPU has them for bf16, the kernels are built
+    and Linux lets this process use the tiles."""
     return cpu_has_amx_bf16() and available() and entry("amx_ready")() == 0
+
+
+def tiles_read(dim: int, blocks: int, block: int) -> bool:
+    """Whether `band_attention` on AMX tiles reads a group of `blocks` blocks of `block` queries of
+    head dim `dim` (the AVX512-BF16 kernel reads any of even `dim`)."""
+    return dim % 32 == 0 and (blocks == 1 or block % 16 == 0)
 
 
 def band_attention(q: torch.Tensor, rows: torch.Tensor, raw_allowed: torch.Tensor, sink: torch.Tensor,
                    compressed: torch.Tensor | None = None, compressed_allowed: torch.Tensor | None = None, *,
-                   block: int, scale: float) -> torch.Tensor:
+                   block: int, scale: float, tiles: bool | None = None) -> torch.Tensor:
     """Sink attention of a prefill group's queries q [B, L, H, D] (bf16; each token's [H, D] rows
     contiguous, tokens one after another), in blocks of `block` queries (block n: queries n*Q ..
     n*Q + Q), over their bands of raw rows (block n's: rows [n*Q, n*Q + K) of rows [B, R, D] bf16,
     rows at or past R zero; raw_allowed [B, N, Q, K] bool) and the compressed rows (compressed
     [B, C, D] bf16, compressed_allowed [B, N, Q, C] bool), sink [H] -> [B, L, H, D] bf16: what
     `banded_sink_attention` computes from the same bf16 values, rounded to bf16 (the blocks' queries
-    past L are never computed)."""
+    past L are never computed). On AMX tiles where this CPU has them (`tiles`, default: then), else on
+    AVX512-BF16 (cpu/band_dots.c), which reads every layout `tiles_read` does not require."""
+    tiles = amx_available() if tiles is None else tiles
     batch, length, heads, dim = q.shape
     blocks, keys = raw_allowed.shape[1], raw_allowed.shape[3]
     count = 0 if compressed is None else compressed.shape[1]
     problems = []
     if q.dtype != torch.bfloat16 or rows.dtype != torch.bfloat16 or q.device.type != "cpu":
         problems.append(f"q and rows must be bf16 CPU tensors (got {q.dtype}, {rows.dtype} on {q.device})")
-    if dim % 32 or q.stride(3) != 1 or q.stride(2) != dim or q.stride(1) != heads * dim:
-        problems.append(f"q's head dim must be a multiple of 32 and its tokens' rows contiguous (got "
-                        f"{tuple(q.shape)}, strides {q.stride()})")
-    if blocks > 1 and block % 16:
+    if dim % (32 if tiles else 2) or q.stride(3) != 1 or q.stride(2) != dim or q.stride(1) != heads * dim:
+        problems.append(f"q's head dim must be a multiple of {32 if tiles else 2} and its tokens' rows contiguous "
+                        f"(got {tuple(q.shape)}, strides {q.stride()})")
+    if tiles and blocks > 1 and block % 16:
         problems.append(f"blocks of several must start at multiples of 16 rows (block {block})")
     if blocks * block < length or raw_allowed.shape != (batch, blocks, block, keys) or raw_allowed.dtype != torch.bool:
         problems.append(f"raw_allowed must be bool [B, N, Q, K] covering the {length} queries (got "
@@ -85,47 +92,13 @@ def band_attention(q: torch.Tensor, rows: torch.Tensor, raw_allowed: torch.Tenso
               *((compressed.stride(0), compressed.stride(1)) if count else (0, 0)),
               *((comp_mask.stride(0), comp_mask.stride(1), comp_mask.stride(2)) if count else (0, 0, 0)))
     sink = sink.float().contiguous()
-    status = entry("band_attention")(
+    status = entry("band_attention" if tiles else "band_attention_dots")(
         q.data_ptr(), rows.data_ptr(), raw_mask.data_ptr(), compressed.data_ptr() if count else None,
         comp_mask.data_ptr() if count else None, sink.data_ptr(), out.data_ptr(),
         (ctypes.c_int64 * len(params))(*params), scale, torch.get_num_threads())
     if status != 0:
         raise MemoryError("band_attention: the kernel could not allocate its scratch memory")
     return out
-
-
-def band_softmax(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor, sink: torch.Tensor,
-                 compressed: torch.Tensor | None = None, compressed_allowed: torch.Tensor | None = None, *,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """q [B, N, Q, H, D] over raw [B, N, K, D] (raw_allowed [B, N, Q, K] bool) and compressed [B, C, D]
-    (compressed_allowed [B, N, Q, C]), all fp32 holding bf16 values, sink [H] -> the unnormalised
-    softmax weights exp(logit - peak) [B, N, Q, H, K] and [B, N, Q, H, C] (None without compressed), and
-    each row's denominator [B, N, Q, H, 1] (the sink's term included), in fp32. A logit is
-    scale * q.k; masked keys weigh 0; a row's peak is its largest logit or the head's sink."""
-    batch, blocks, block, heads, dim = q.shape
-    keys = raw.shape[2]
-    count = 0 if compressed is None else compressed.shape[1]
-    _check(q, raw, raw_allowed, sink, compressed, compressed_allowed)
-    raw_weights = q.new_empty(batch, blocks, block, heads, keys)
-    compressed_weights = None if compressed is None else q.new_empty(batch, blocks, block, heads, count)
-    denominator = q.new_empty(batch, blocks, block, heads, 1)
-    raw_mask = raw_allowed.view(torch.uint8)
-    comp_mask = compressed_allowed.view(torch.uint8) if count else None
-    params = (batch, blocks, block, heads, keys, count, dim,
-              q.stride(0), q.stride(1), q.stride(3),
-              raw.stride(0), raw.stride(1), raw.stride(2),
-              raw_mask.stride(0), raw_mask.stride(1), raw_mask.stride(2),
-              *((compressed.stride(0), compressed.stride(1)) if count else (0, 0)),
-              *((comp_mask.stride(0), comp_mask.stride(1), comp_mask.stride(2)) if count else (0, 0, 0)))
-    sink = sink.float().contiguous()
-    status = entry("band_softmax")(
-        q.data_ptr(), raw.data_ptr(), raw_mask.data_ptr(), compressed.data_ptr() if count else None,
-        comp_mask.data_ptr() if count else None, sink.data_ptr(), raw_weights.data_ptr(),
-        compressed_weights.data_ptr() if count else None, denominator.data_ptr(),
-        (ctypes.c_int64 * len(params))(*params), scale, torch.get_num_threads())
-    if status != 0:
-        raise MemoryError("band_softmax: the kernel could not allocate its scratch memory")
-    return raw_weights, compressed_weights, denominator
 
 
 def decode_attention(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor, at: torch.Tensor, sink: torch.Tensor,
@@ -173,31 +146,3 @@ def decode_attention(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
     if status != 0:
         raise MemoryError("decode_attention: the kernel could not allocate its scratch memory")
     return out
-
-
-def _check(q, raw, raw_allowed, sink, compressed, compressed_allowed) -> None:
-    """The layouts the kernel reads (strides in elements; every innermost one 1)."""
-    batch, blocks, block, heads, dim = q.shape
-    keys = raw.shape[2]
-    problems = []
-    if q.dtype != torch.float32 or raw.dtype != torch.float32:
-        problems.append(f"q and raw must be fp32 (got {q.dtype}, {raw.dtype})")
-    if q.device.type != "cpu":
-        problems.append(f"the kernel runs on CPU tensors (got {q.device})")
-    if q.stride(4) != 1 or q.stride(3) != dim or q.stride(2) != heads * dim:
-        problems.append(f"q's (query, head, dim) rows must be contiguous (strides {q.stride()})")
-    if raw.shape[:2] != (batch, blocks) or raw.shape[3] != dim or raw.stride(3) != 1:
-        problems.append(f"raw must be [B, N, K, {dim}] with contiguous rows (got {tuple(raw.shape)}, {raw.stride()})")
-    if raw_allowed.shape != (batch, blocks, block, keys) or raw_allowed.dtype != torch.bool or raw_allowed.stride(3) != 1:
-        problems.append(f"raw_allowed must be bool [B, N, Q, K] with contiguous rows (got {tuple(raw_allowed.shape)})")
-    if sink.shape != (heads,):
-        problems.append(f"sink must be [{heads}] (got {tuple(sink.shape)})")
-    if compressed is not None and compressed.shape[1]:
-        count = compressed.shape[1]
-        if compressed.dtype != torch.float32 or compressed.shape != (batch, count, dim) or compressed.stride(2) != 1:
-            problems.append(f"compressed must be fp32 [B, C, {dim}] with contiguous rows (got {tuple(compressed.shape)})")
-        if (compressed_allowed is None or compressed_allowed.shape != (batch, blocks, block, count)
-                or compressed_allowed.dtype != torch.bool or compressed_allowed.stride(3) != 1):
-            problems.append("compressed_allowed must be bool [B, N, Q, C] with contiguous rows")
-    if problems:
-        raise RuntimeError("band_softmax: " + "; ".join(problems))

@@ -31,13 +31,13 @@ _POINTER, _PARAMS = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)
 # Each entry's arguments: its tensors' data pointers, the shapes and strides (int64[]), a float or two, the
 # threads
 _SIGNATURES = {
-    "band_softmax": [_POINTER] * 9 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "decode_attention": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "moe_few": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "moe_tiles": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "moe_route": [_POINTER] * 9 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "moe_routed": [_POINTER] * 9 + [_PARAMS, _PARAMS, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int],
     "band_attention": [_POINTER] * 7 + [_PARAMS, ctypes.c_float, ctypes.c_int],
+    "band_attention_dots": [_POINTER] * 7 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "mhc_mix": [_POINTER] * 12 + [_PARAMS, ctypes.c_float, ctypes.c_float, ctypes.c_int],
     "decode_project": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "decode_exit": [_POINTER] * 6 + [_PARAMS, ctypes.c_int],

@@ -15,8 +15,8 @@ raw rows and the rows this chunk just compressed included, exactly as the refere
 With `kernels` (on CUDA), the indexer's selection, the attention and the compressors' inserts run
 as the dispatcher's ops (`dsv4.kernels.dispatch`: Triton on CUDA tensors) over the whole batch,
 reading the pools directly; the torch code above is the CPU path, where a bf16 model's prefill
-attention runs as a C kernel on a CPU with AMX tiles (on one with AVX512-BF16 alone, its logits and
-softmax do), and so does the attention of decode tokens on either (dsv4/kernels/cpu_attention.py).
+attention runs as a C kernel on a CPU with AVX512-BF16 (on AMX tiles where it has them), and so does
+the attention of decode tokens (dsv4/kernels/cpu_attention.py).
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ class PagedAttention:
         self.rest_start, self.rest_widths = sum(part.shape[0] for part in inputs[:2]), [part.shape[0] for part in inputs[2:]]
         # (`project_inputs`' weights, in its order)
         self.input_weights = (torch.cat(inputs), self.q_norm, self.wq_b, self.kv_norm)
-        # On the CPU: a bf16 model's prefill attention on the CPU's bf16 units (`bf16_logits`: with AMX the
-        # whole attention on its tiles, else the logits; its queries and rows hold bf16 values); a model that stores its rows in its own dtype (bf16 or fp32), its decode
+        # On the CPU: a bf16 model's prefill attention on the CPU's bf16 units (`bf16_logits`: the whole
+        # attention as one kernel; its queries and rows hold bf16 values); a model that stores its rows in its own dtype (bf16 or fp32), its decode
         # tokens' attention as the AVX512-BF16 CPU's kernel that reads them in place
         # (dsv4/kernels/cpu_attention.py): at 32 decodes of `small` in bf16, 1.2 ms a layer against
         # 6.4..7.3 for the gather and the eager attention; in a step against the compiled attention, 32
@@ -229,8 +229,8 @@ class PagedAttention:
         batch, length, block, band = group.batch, group.length, group.block, group.band
         blocks = group.band_allowed.shape[1]
         pad = blocks * block - length
-        on_tiles = self._on_tiles(group)
-        rows_dtype = q.dtype if on_tiles else accumulation_dtype(q.dtype)
+        kernel = self._band_kernel(group)
+        rows_dtype = q.dtype if kernel is not None else accumulation_dtype(q.dtype)
         own = group.rows(raw_keys).to(rows_dtype)
         if group.own_rows_only:  # the band is the chunk's own rows (no ring row exists)
             sources = [own]
@@ -239,10 +239,11 @@ class PagedAttention:
                                           group.ring_exists)
             sources = [ring.to(rows_dtype), own]
         compressed, compressed_allowed = self._compressed_rows(group, picks, pad, rows_dtype)
-        if on_tiles:  # the band's rows as one source (the kernel reads rows past it as zeros)
+        if kernel is not None:  # the band's rows as one source (the kernel reads rows past it as zeros)
             rows = sources[0] if len(sources) == 1 else torch.cat(sources, 1)
             return cpu_attention.band_attention(group.rows(q), rows, group.band_allowed, self.sink, compressed,
-                                                compressed_allowed, block=block, scale=self.scale).flatten(0, 1)
+                                                compressed_allowed, block=block, scale=self.scale,
+                                                tiles=kernel == "amx").flatten(0, 1)
         height = (blocks - 1) * block + band  # rows the blocks' bands span, the last one's padding included
         sources.append(own.new_zeros(batch, height - sum(part.shape[1] for part in sources), own.shape[-1]))
         raw = torch.cat(sources, 1).unfold(1, band, block).transpose(-1, -2)  # [B, N, K, D]: each block's band
@@ -254,11 +255,16 @@ class PagedAttention:
         out = attend(queries, raw, group.band_allowed, self.sink, *extra, exact_bf16=self.exact_bf16)  # [B, N, Q, H, D]
         return out.flatten(1, 2)[:, :length].flatten(0, 1).to(q.dtype)  # [B*L, H, D]
 
-    def _on_tiles(self, group: AttentionGroup) -> bool:
-        """Whether the group's attention runs as the AMX kernel (`cpu_attention.band_attention`): a bf16
-        model's bf16 values on a CPU with AMX tiles, in the layouts the kernel reads."""
-        return (self.exact_bf16 and bf16_logits() == "amx" and self.cfg.head_dim % 32 == 0
-                and (group.band_allowed.shape[1] == 1 or group.block % 16 == 0))
+    def _band_kernel(self, group: AttentionGroup) -> str | None:
+        """How the group's attention runs as one C kernel (`cpu_attention.band_attention`), for a bf16
+        model's bf16 values: "amx" on AMX tiles in the layouts they read, "avx512_bf16" on the
+        AVX512-BF16 units (where `bf16_logits` says either; a 256-token chunk of `small`'s layer on a
+        Zen 5: 2.0 ms against 4.2 for the torch ops around the logits' kernel, with 64 compressed rows
+        2.9 against 7.5); None: the torch ops of `banded_sink_attention`."""
+        path = bf16_logits() if self.exact_bf16 else None
+        if path == "amx" and cpu_attention.tiles_read(self.cfg.head_dim, group.band_allowed.shape[1], group.block):
+            return "amx"
+        return "avx512_bf16" if path in ("amx", "avx512_bf16") and self.cfg.head_dim % 2 == 0 else None
 
     def _attend_decodes(self, group: AttentionGroup, q: torch.Tensor, raw_rows: torch.Tensor, positions: torch.Tensor,
                         picks, attend_decodes) -> torch.Tensor:
@@ -447,19 +453,15 @@ def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch
     of the model's compiled pieces (dsv4/model/compile.py): with and without compressed rows.
 
     `exact_bf16`: q, raw and compressed hold bf16 values (upcast to fp32), so every product of q^T k
-    is exact in bf16 arithmetic: the logits then run on the CPU's bf16 units, summing in fp32, as
-    `bf16_logits` says. The value products keep fp32 (the weights are not bf16 values).
+    is exact in bf16 arithmetic: the logits then run on the CPU's bf16 units (oneDNN's bf16
+    products), summing in fp32. The value products keep fp32 (the weights are not bf16 values).
     """
     batch, blocks, block, heads, dim = q.shape
     # The softmax over [raw | compressed | sink] without concatenating its parts: exp(logit - max) per
     # part, one denominator, and the output divided by it after the value products (which
     # accumulate into one buffer); the same math as normalising first, up to rounding.
-    if exact_bf16 and bf16_logits() == "avx512_bf16":
-        raw_weights, compressed_weights, denominator = cpu_attention.band_softmax(
-            q, raw, raw_allowed, sink, compressed, compressed_allowed, scale=scale)
-    else:
-        raw_weights, compressed_weights, denominator = _softmax_weights(
-            q, raw, raw_allowed, sink, compressed, compressed_allowed, scale=scale, bf16_products=exact_bf16)
+    raw_weights, compressed_weights, denominator = _softmax_weights(
+        q, raw, raw_allowed, sink, compressed, compressed_allowed, scale=scale, bf16_products=exact_bf16)
     out = torch.bmm(raw_weights.view(batch * blocks, block * heads, -1), raw.reshape(batch * blocks, -1, dim))
     if compressed is not None:
         # (in place: out is this function's own, and a fresh result would first copy all of it)
@@ -497,14 +499,14 @@ def _softmax_weights(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tens
 @functools.cache
 def bf16_logits() -> str | None:
     """How a bf16 model's prefill attention (`exact_bf16`) runs on this CPU's bf16 units, or None (in fp32):
-    - "amx" with AMX tiles: the whole attention as one kernel (`cpu_attention.band_attention`; a
-      256-token chunk of `small`'s layer: 2.7 ms against 10.6 for the torch ops on oneDNN);
-      `banded_sink_attention`, for the layouts that kernel does not read, as "onednn";
-    - "onednn" with AMX where that kernel is not built: oneDNN's fp32 matmuls on bf16 products for the
-      logits (their matmuls took a third of the time);
-    - "avx512_bf16" with AVX512-BF16 alone (a Zen 4), where oneDNN copies the operands to convert them
-      (a 256-token bf16 prefill of `small` took 235 ms against 227 in fp32, interleaved, 7 each): the
-      logits and the softmax's passes as one kernel (dsv4/kernels/cpu_attention.py; built on the first
+    - "amx" with AMX tiles: the whole attention as one kernel on the tiles (`cpu_attention.band_attention`;
+      a 256-token chunk of `small`'s layer: 2.7 ms against 10.6 for the torch ops on oneDNN), and on
+      AVX512-BF16 for the layouts the tiles do not read (`PagedAttention._band_kernel`);
+    - "onednn" with AMX where the kernels are not built: `banded_sink_attention` with oneDNN's fp32
+      matmuls on bf16 products for the logits (their matmuls took a third of the time);
+    - "avx512_bf16" with AVX512-BF16 alone (a Zen 4 or 5), where oneDNN copies the operands to convert
+      them (a 256-token bf16 prefill of `small` took 235 ms against 227 in fp32, interleaved, 7 each): the
+      whole attention as one kernel on AVX512-BF16 (`cpu_attention.band_attention`, built on the first
       call)."""
     if cpu_has_amx_bf16():
         path = "amx" if cpu_attention.amx_available() else "onednn"
@@ -512,7 +514,7 @@ def bf16_logits() -> str | None:
         path = "avx512_bf16" if cpu_attention.available() else None
     log.info("a bf16 model's prefill attention runs %s", {
         "amx": "on AMX tiles (dsv4/kernels/cpu_attention.py)", "onednn": "with its logits on AMX (oneDNN's bf16 products)",
-        "avx512_bf16": "with its logits on AVX512-BF16 (dsv4/kernels/cpu_attention.py)", None: "in fp32"}[path])
+        "avx512_bf16": "on AVX512-BF16 (dsv4/kernels/cpu_attention.py)", None: "in fp32"}[path])
     return path
 
 

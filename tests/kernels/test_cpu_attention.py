@@ -1,11 +1,10 @@
 """The AVX512-BF16 attention kernels (dsv4/kernels/cpu_attention.py) over sweeps of shapes (head dims
-and key counts off their 32- and 16-wide steps): the band softmax against the same weights in float64
-torch ops, with blocks' bands as the model lays them out (overlapping views of one source), masks
-shared by the batch, rows that see nothing but the sink, one thread against several; the AMX band
-attention against the model's attention in float64, with bands off their 32-wide steps, blocks that
-overrun the chunk, source rows that end before the last band (read as zeros); the decode
-attention against the model's torch op, reading strided pools in place, bf16 and fp32, tokens on a
-thread each and on the whole team."""
+and key counts off their 32- and 16-wide steps): the band attention, on AMX tiles and on AVX512-BF16
+alone, against the model's attention in float64, with bands off their 32-wide steps, blocks that
+overrun the chunk, source rows that end before the last band (read as zeros), random masks and the
+masks the model's plan builds (a prompt's first chunk, whose early blocks see few of their band's rows,
+and a later one), one thread against several; the decode attention against the model's torch op,
+reading strided pools in place, bf16 and fp32, tokens on a thread each and on the whole team."""
 
 import pytest
 import torch
@@ -15,108 +14,6 @@ from dsv4.model.attention import banded_sink_attention, decode_sink_attention
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(),
                                 reason="this CPU has no AVX512-BF16 (or no C compiler builds the kernel)")
-
-# (batch, blocks, queries a block, heads, band rows, compressed rows, head dim)
-SHAPES = [(1, 16, 16, 16, 144, 64, 512), (2, 3, 5, 3, 37, 0, 70), (1, 1, 1, 1, 1, 1, 2), (2, 2, 7, 5, 33, 17, 64),
-          (3, 2, 4, 2, 16, 16, 32), (1, 2, 3, 4, 50, 3, 33), (2, 4, 8, 1, 144, 2, 96)]
-
-
-def expected(q, raw, raw_allowed, sink, compressed, compressed_allowed, scale):
-    sink = sink.double().view(1, 1, 1, -1, 1)
-    raw_logits = torch.einsum("bnqhd,bnkd->bnqhk", q.double(), raw.double()) * scale
-    raw_logits = raw_logits.masked_fill(~raw_allowed.unsqueeze(3), -torch.inf)
-    peak = torch.maximum(raw_logits.amax(-1, keepdim=True), sink)
-    if compressed is not None:
-        compressed_logits = torch.einsum("bnqhd,bcd->bnqhc", q.double(), compressed.double()) * scale
-        compressed_logits = compressed_logits.masked_fill(~compressed_allowed.unsqueeze(3), -torch.inf)
-        peak = torch.maximum(peak, compressed_logits.amax(-1, keepdim=True))
-    raw_weights = (raw_logits - peak).exp()
-    denominator = raw_weights.sum(-1, keepdim=True) + (sink - peak).exp()
-    compressed_weights = None
-    if compressed is not None:
-        compressed_weights = (compressed_logits - peak).exp()
-        denominator = denominator + compressed_weights.sum(-1, keepdim=True)
-    return raw_weights, compressed_weights, denominator
-
-
-def inputs(shape, seed):
-    batch, blocks, block, heads, keys, count, dim = shape
-    g = torch.Generator().manual_seed(seed)
-
-    def bf16_valued(*size):
-        return torch.randn(*size, generator=g).bfloat16().float()
-
-    q = bf16_valued(batch, blocks, block, heads, dim)
-    # each block's band: `keys` rows of one source from row n * block on, as the model's unfold
-    source = bf16_valued(batch, (blocks - 1) * block + keys, dim)
-    raw = source.unfold(1, keys, block).transpose(-1, -2)
-    shared = torch.rand(1, blocks, block, keys, generator=g) < 0.7
-    shared[:, 0, 0] = False
-    raw_allowed = shared.expand(batch, -1, -1, -1)  # (one mask for the batch, as the model's)
-    compressed = compressed_allowed = None
-    if count:
-        compressed = bf16_valued(batch, count, dim)
-        compressed_allowed = torch.rand(batch, blocks, block, count, generator=g) < 0.5
-        compressed_allowed[:, 0, 0] = False
-    return q, raw, raw_allowed, torch.randn(heads, generator=g) * 3, compressed, compressed_allowed
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-def test_band_softmax_equals_the_float64_weights(shape):
-    scale = shape[-1] ** -0.5
-    for seed in range(2):
-        args = inputs(shape, seed)
-        got = cpu_attention.band_softmax(*args, scale=scale)
-        want = expected(*args, scale)
-        for part, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert (a is None) == (b is None)
-            if a is None:
-                continue
-            assert a.dtype == torch.float32 and a.shape == b.shape, part
-            # each weight within fp32 sums' rounding of its logit (masked ones exactly 0): far below
-            # one bf16 rounding (~4e-3)
-            assert ((a.double() - b).abs() <= 1e-5 * b).all(), (shape, seed, part)
-        raw_weights, compressed_weights, denominator = got
-        # the first query of block 0 sees nothing: only the sink, which is then its peak
-        assert (raw_weights[:, 0, 0] == 0).all() and (denominator[:, 0, 0] == 1).all()
-        if compressed_weights is not None:
-            assert (compressed_weights[:, 0, 0] == 0).all()
-
-
-def test_no_compressed_rows_weigh_nothing():
-    q, raw, raw_allowed, sink, compressed, compressed_allowed = inputs(SHAPES[3], 1)
-    raw_weights, compressed_weights, denominator = cpu_attention.band_softmax(
-        q, raw, raw_allowed, sink, compressed[:, :0], compressed_allowed[..., :0], scale=0.1)
-    assert compressed_weights.shape == (*q.shape[:4], 0)
-    want = expected(q, raw, raw_allowed, sink, None, None, 0.1)
-    assert torch.allclose(raw_weights.double(), want[0], rtol=1e-5, atol=0)
-    assert torch.allclose(denominator.double(), want[2], rtol=1e-5, atol=0)
-
-
-def test_one_thread_computes_the_same_bits_as_several():
-    args = inputs(SHAPES[0], 3)
-    several = cpu_attention.band_softmax(*args, scale=0.05)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        one = cpu_attention.band_softmax(*args, scale=0.05)
-    finally:
-        torch.set_num_threads(threads)
-    for a, b in zip(one, several, strict=True):
-        assert torch.equal(a, b)
-
-
-def test_layouts_the_kernel_cannot_read_are_refused():
-    q, raw, raw_allowed, sink, compressed, _ = inputs(SHAPES[3], 0)
-    with pytest.raises(RuntimeError, match="q's"):
-        cpu_attention.band_softmax(q.transpose(2, 3), raw, raw_allowed, sink, scale=1.0)
-    with pytest.raises(RuntimeError, match="raw must be"):
-        cpu_attention.band_softmax(q, raw[..., :-1], raw_allowed, sink, scale=1.0)
-    with pytest.raises(RuntimeError, match="compressed_allowed"):
-        cpu_attention.band_softmax(q, raw, raw_allowed, sink, compressed, None, scale=1.0)
-    with pytest.raises(RuntimeError, match="fp32"):
-        cpu_attention.band_softmax(q.bfloat16(), raw, raw_allowed, sink, scale=1.0)
-
 
 needs_amx = pytest.mark.skipif(not cpu_attention.amx_available(), reason="this CPU has no AMX tiles for bf16")
 
@@ -156,48 +53,100 @@ def tile_expected(q, rows, raw_allowed, sink, compressed, compressed_allowed, bl
     return banded_sink_attention(queries, raw, raw_allowed, sink.double(), *extra, scale=scale).flatten(1, 2)[:, :length]
 
 
-@needs_amx
-@pytest.mark.parametrize("shape", TILE_SHAPES)
-def test_band_attention_equals_the_float64_attention(shape):
+# (batch, blocks, queries a block, heads, band rows, compressed rows, head dim, queries, source rows): the
+# AVX512-BF16 kernel's own layouts besides, which the tiles do not read (blocks of any size, head dims
+# of any even size)
+DOTS_SHAPES = TILE_SHAPES + [(2, 3, 5, 3, 37, 0, 70, 14, 40), (1, 2, 7, 5, 33, 17, 66, 12, 20), (1, 1, 1, 1, 1, 1, 2, 1, 1)]
+
+
+@pytest.fixture(params=[True, False], ids=["tiles", "dots"])
+def tiles(request):
+    if request.param and not cpu_attention.amx_available():
+        pytest.skip("this CPU has no AMX tiles for bf16")
+    return request.param
+
+
+def assert_close_to(got, want, where):
+    """The float64 result rounded once to bf16 (half a bf16 step: 2^-8 of the value at most), give or
+    take fp32 sums' rounding."""
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5 * want.abs().max()).all(), where
+    assert (got == want.bfloat16()).double().mean() > 0.998, where  # (the tiles' inexact split: ~0.5% differ)
+
+
+@pytest.mark.parametrize("index", range(len(DOTS_SHAPES)))
+def test_band_attention_equals_the_float64_attention(index, tiles):
+    shape = DOTS_SHAPES[index]
+    if tiles and shape not in TILE_SHAPES:
+        pytest.skip("a layout the tiles do not read")
     block, scale = shape[2], shape[6] ** -0.5
     for seed in range(2):
         args = tile_inputs(shape, seed)
-        got = cpu_attention.band_attention(*args, block=block, scale=scale)
-        want = tile_expected(*args, block, scale)
+        got = cpu_attention.band_attention(*args, block=block, scale=scale, tiles=tiles)
         assert got.dtype == torch.bfloat16 and got.shape == args[0].shape
-        # the float64 result rounded once to bf16 (half a bf16 step: 2^-8 of the value at most), give or
-        # take fp32 sums' rounding
-        assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5 * want.abs().max()).all(), (shape, seed)
-        assert (got == want.bfloat16()).double().mean() > 0.998, (shape, seed)  # (an inexact split: ~0.5% differ)
+        assert_close_to(got, tile_expected(*args, block, scale), (shape, seed))
 
 
-@needs_amx
-def test_band_attention_on_one_thread_computes_the_same_bits_as_on_several():
-    args = tile_inputs(TILE_SHAPES[0], 3)
-    several = cpu_attention.band_attention(*args, block=16, scale=0.05)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        one = cpu_attention.band_attention(*args, block=16, scale=0.05)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, several)
+def plan_masks(blocks, block, keys, window, start, length, compressed, ratio):
+    """The band and compressed masks `dsv4.model.plan` builds for one chunk of `length` queries from
+    position `start` (blocks of `block` queries, bands of `keys` rows from start - window + 1 + n * block),
+    over `compressed` rows of `ratio` positions each (row w complete at position (w + 1) * ratio - 1)."""
+    n = torch.arange(blocks).view(blocks, 1, 1)
+    j = torch.arange(block).view(1, block, 1)
+    k = torch.arange(keys).view(1, 1, keys)
+    band = (k >= j) & (k < j + window) & (n * block + j < length) & (start - window + 1 + n * block + k >= 0)
+    position = start + n * block + j
+    seen = (torch.arange(compressed).view(1, 1, -1) < (position + 1) // ratio) & (n * block + j < length)
+    return band.unsqueeze(0), seen.unsqueeze(0)
 
 
-@needs_amx
-def test_band_attention_refuses_layouts_it_cannot_read():
+@pytest.mark.parametrize("start", [0, 300], ids=["first chunk", "later chunk"])
+def test_band_attention_over_the_plan_s_masks(start, tiles):
+    """The masks of a real chunk: the first one's early blocks see only their last band rows (the
+    AVX512-BF16 kernel then computes only the columns their queries attend to), compressed rows become
+    visible as the queries advance, and the blocks' work differs (the kernel shares it by cost)."""
+    window, block, length, ratio = 32, 16, 120, 4
+    blocks, keys = -(-length // block), block + window - 1 + 1
+    count = (start + length) // ratio
+    g = torch.Generator().manual_seed(start)
+    q = torch.randn(1, length, 4, 64, generator=g).bfloat16()
+    rows = torch.randn(1, (blocks - 1) * block + keys, 64, generator=g).bfloat16()
+    compressed = torch.randn(1, count, 64, generator=g).bfloat16()
+    band, seen = plan_masks(blocks, block, keys, window, start, length, count, ratio)
+    sink = torch.randn(4, generator=g)
+    args = (q, rows, band, sink, compressed, seen)
+    got = cpu_attention.band_attention(*args, block=block, scale=0.125, tiles=tiles)
+    assert_close_to(got, tile_expected(*args, block, 0.125), start)
+
+
+def test_band_attention_on_one_thread_computes_the_same_bits_as_on_several(tiles):
+    band, seen = plan_masks(16, 16, 144, 128, 0, 256, 64, 4)
+    q, rows, _, sink, compressed, _ = tile_inputs(TILE_SHAPES[0], 3)
+    for args in (tile_inputs(TILE_SHAPES[0], 3), (q, rows, band, sink, compressed, seen)):
+        several = cpu_attention.band_attention(*args, block=16, scale=0.05, tiles=tiles)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            one = cpu_attention.band_attention(*args, block=16, scale=0.05, tiles=tiles)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, several)
+
+
+def test_band_attention_refuses_layouts_it_cannot_read(tiles):
     q, rows, raw_allowed, sink, compressed, _ = tile_inputs(TILE_SHAPES[3], 0)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        cpu_attention.band_attention(q[..., :48], rows[..., :48], raw_allowed, sink, block=32, scale=1.0)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
+    step = 32 if tiles else 2
+    with pytest.raises(RuntimeError, match=f"multiple of {step}"):
+        cpu_attention.band_attention(q[..., :47], rows[..., :47], raw_allowed, sink, block=32, scale=1.0, tiles=tiles)
+    with pytest.raises(RuntimeError, match=f"multiple of {step}"):
         cpu_attention.band_attention(q.transpose(1, 2).contiguous().transpose(1, 2), rows, raw_allowed, sink, block=32,
-                                     scale=1.0)
-    with pytest.raises(RuntimeError, match="multiples of 16"):
-        cpu_attention.band_attention(q, rows, raw_allowed[:, :, :24], sink, block=24, scale=1.0)
+                                     scale=1.0, tiles=tiles)
+    if tiles:
+        with pytest.raises(RuntimeError, match="multiples of 16"):
+            cpu_attention.band_attention(q, rows, raw_allowed[:, :, :24], sink, block=24, scale=1.0, tiles=tiles)
     with pytest.raises(RuntimeError, match="bf16"):
-        cpu_attention.band_attention(q.float(), rows, raw_allowed, sink, block=32, scale=1.0)
+        cpu_attention.band_attention(q.float(), rows, raw_allowed, sink, block=32, scale=1.0, tiles=tiles)
     with pytest.raises(RuntimeError, match="compressed"):
-        cpu_attention.band_attention(q, rows, raw_allowed, sink, compressed, None, block=32, scale=1.0)
+        cpu_attention.band_attention(q, rows, raw_allowed, sink, compressed, None, block=32, scale=1.0, tiles=tiles)
 
 
 # (tokens, heads, head dim, ring rows, compressed rows a token, slots, pages, rows a page)

@@ -1,13 +1,12 @@
 """The CPU path's banded sink attention (dsv4.model.attention.banded_sink_attention) against the
 reference's sink attention over the union of each block's band and the compressed rows, on each way
-its logits run: fp32, and with `exact_bf16` on bf16 units (oneDNN's bf16 products; the AVX512-BF16
-kernel of dsv4/kernels/cpu_attention.py where this CPU has it), exact for bf16-valued operands. Decode
-tokens' attention over their rings (decode_sink_attention) against the same."""
+its logits run: fp32, and with `exact_bf16` on bf16 units (oneDNN's bf16 products), exact for
+bf16-valued operands. Decode tokens' attention over their rings (decode_sink_attention) against the
+same. (The C kernels that replace it for bf16 models: tests/kernels/test_cpu_attention.py.)"""
 
 import pytest
 import torch
 
-from dsv4.kernels import cpu_attention
 from dsv4.model import attention
 from dsv4.model.attention import banded_sink_attention, decode_sink_attention
 from dsv4.reference.attention import sink_attention
@@ -32,11 +31,9 @@ def reference(q, raw, raw_allowed, sink, compressed, compressed_allowed, scale):
     return out.transpose(1, 2).unflatten(0, (B, N))  # [B, N, Q, H, D]
 
 
-@pytest.fixture(params=[None, "onednn", "avx512_bf16"])
+@pytest.fixture(params=[None, "onednn"])
 def logits_path(request, monkeypatch):
     """How the logits run (None: fp32), whatever this CPU would choose."""
-    if request.param == "avx512_bf16" and not cpu_attention.available():
-        pytest.skip("this CPU has no AVX512-BF16 (or no C compiler builds the kernel)")
     monkeypatch.setattr(attention, "bf16_logits", lambda: request.param)
     return request.param
 

@@ -81,10 +81,11 @@ def run_chunks(runner, ids, sizes, slot=0, pages=PAGES) -> list[tuple[int, torch
     return out
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, what: str, rel: float = REL_TOL) -> None:
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str, rel: float = REL_TOL, tie: float = 1e-5) -> None:
+    """Logits within `rel` of the largest, and the same argmax, or one whose logit lies within `tie` of it."""
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err <= rel, f"{what}: relative logit error {err:.2e} > {rel:.0e}"
-    assert int(got.argmax()) == int(want.argmax()) or (want.max() - want[got.argmax()]) < 1e-5, what
+    assert int(got.argmax()) == int(want.argmax()) or (want.max() - want[got.argmax()]) < tie, what
 
 
 def cycle_sizes(total: int, pattern: tuple[int, ...]) -> list[int]:
@@ -187,14 +188,15 @@ def test_fp8_main_rows(model, prompt):
 
 
 def test_bfloat16_runs_close_to_reference(model, prompt):
-    """bf16 compute: different but equally valid rounding orders keep logits within a few percent. (On a
-    CPU with the C kernels: chunks of 150 tokens through the grouped MoE, of 1, 20 and 29 through the
-    MoE kernel.)"""
+    """bf16 compute: different but equally valid rounding orders keep logits within a few percent, and
+    the argmax where no other logit lies within a few bf16 roundings of it (a Zen 5 gave 155 for 130 at
+    2.969 against 2.984, one bf16 step apart). (On a CPU with the C kernels: chunks of 150 tokens
+    through the grouped MoE, of 1, 20 and 29 through the MoE kernel.)"""
     ids = prompt[:200]
     want = reference_logits(model, ids, dtype=torch.bfloat16, index_key_dtype="fp8")
     runner = make_runner(model, dtype="bfloat16", index_key_dtype="fp8")
     for last, logits in run_chunks(runner, ids, [150, 1, 20, 29]):
-        assert_close(logits, want[last], f"bf16, position {last}", rel=5e-2)
+        assert_close(logits, want[last], f"bf16, position {last}", rel=5e-2, tie=2**-6 * want[last].abs().max().item())
 
 
 def test_unwritten_rows_are_never_read(model, prompt):

@@ -25,21 +25,9 @@
 #include <unistd.h>
 
 #include "amx.h"
-#include "simd.h"
+#include "band.h"
 
 enum { ITEM_ROWS = 128 };
-
-/* p[]: the shapes, then the element strides of the inputs (every innermost stride is 1). */
-enum {
-  A_B, A_N, A_Q, A_H, A_K, A_C, A_D, A_L, A_R, /* batch, blocks, queries a block, heads, band rows,
-                                                  compressed rows, head dim, the chunk's queries, source rows */
-  A_Q_B, A_Q_T,                /* q[b][t][h][d] ([h][d] contiguous) */
-  A_ROW_B, A_ROW_R,            /* rows[b][r][d]: block n's band is rows n*Q .. n*Q + K */
-  A_RA_B, A_RA_N, A_RA_J,      /* raw_allowed[b][n][query][k] */
-  A_COMP_B, A_COMP_C,          /* compressed[b][c][d] */
-  A_CA_B, A_CA_N, A_CA_J,      /* compressed_allowed[b][n][query][c] */
-  A_COUNT
-};
 
 /* Whether this process may use the tiles (Linux grants them on request; oneDNN asks the same). */
 int amx_ready(void) {
@@ -65,10 +53,6 @@ static void pack_values(const uint16_t *rows, int64_t stride, int64_t first, int
     const __m512i hi = odd ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(odd + d))) : _mm512_setzero_si512();
     _mm512_storeu_si512((void *)(out + d), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
   }
-}
-
-static inline __m512 bf16_to_fp32(__m256bh x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)x), 16));
 }
 
 typedef struct {
@@ -123,21 +107,6 @@ AMX static void item_logits(const Shared *s, const uint16_t *queries, int64_t b,
       _tile_stored(3, logits + (m + TILE) * cols + c + TILE, cols * 4);
     }
   }
-}
-
-/* Scales and masks a row's logits in [first, first + count) (columns `allowed` marks), -inf past them
- * up to `end`; returns the running peak. */
-static inline __m512 mask_logits(float *row, int64_t first, int64_t count, int64_t end, const uint8_t *allowed,
-                                 float scale, __m512 peak) {
-  for (int64_t i = 0; i < end - first; i += 16) {
-    const __mmask16 lanes = first_lanes(count - i > 0 ? count - i : 0);
-    const __mmask16 keep = _mm_mask_cmpneq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, allowed + i), _mm_setzero_si128());
-    const __m512 v = _mm512_mask_mul_ps(_mm512_set1_ps(-__builtin_inff()), keep, _mm512_loadu_ps(row + first + i),
-                                        _mm512_set1_ps(scale));
-    _mm512_storeu_ps(row + first + i, v);
-    peak = _mm512_max_ps(peak, v);
-  }
-  return peak;
 }
 
 /* The softmax numerators of an item's rows as three bf16 pieces each, and their denominators. */

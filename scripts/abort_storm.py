@@ -112,7 +112,11 @@ async def correct_outputs(session, args, prompts) -> tuple[int, list[str]]:
 async def run(args) -> dict:
     rng = random.Random(args.seed)
     urls = [args.decode_url] + ([args.prefill_url] if args.prefill_url else [])
-    async with aiohttp.ClientSession() as session:
+    # Idle pooled connections are dropped well before the server's keep-alive timeout (5 s by default)
+    # closes them: a request sent on a connection the server is closing fails with ServerDisconnectedError
+    # (seen once, on a loaded machine, after the storm).
+    connector = aiohttp.TCPConnector(keepalive_timeout=1.0)
+    async with aiohttp.ClientSession(connector=connector) as session:
         probe = make_prompts(rng, args.throughput_requests, args.max_prompt_len, args.vocab)
         await throughput(session, args.decode_url, probe, args.max_new_tokens, args.request_timeout)  # warm-up
         before = [await throughput(session, args.decode_url, probe, args.max_new_tokens, args.request_timeout)

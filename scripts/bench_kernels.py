@@ -155,7 +155,7 @@ def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"CPU kernels against the torch code they replace; best of {repeats}, {torch.get_num_threads()} torch thread(s)")
     print(f"{'case':>44} {'kernel ms':>10} {'torch ms':>9} {'speedup':>8}")
-    if cpu_attention.amx_available():
+    if cpu_attention.available():
         blocks, block, heads, band, count, dim = (2 if smoke else 16), 16, 16, 144, 64, 512
         length = blocks * block
         q = torch.randn(1, length, heads, dim, generator=gen).bfloat16()
@@ -172,7 +172,8 @@ def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
 
         kernel, reference = time_cpu(partial(cpu_attention.band_attention, q, rows, allowed, sink, compressed,
                                              compressed_allowed, block=block, scale=scale), torch_ops, repeats=repeats)
-        print(f"{f'bf16 prefill attention, {length}-token chunk (AMX)':>44} {kernel * 1e3:>10.2f} "
+        where = "AMX" if cpu_attention.amx_available() else "AVX512-BF16"
+        print(f"{f'bf16 prefill attention, {length}-token chunk ({where})':>44} {kernel * 1e3:>10.2f} "
               f"{reference * 1e3:>9.2f} {reference / kernel:>7.1f}x")
     if cpu_moe.available():
         experts, hidden, inter, top_k = 8, 512, 256, 2
@@ -187,17 +188,20 @@ def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
         grouped = partial(moe.grouped, dispatch=route, combine=partial(moe.combine, swiglu_limit=10.0), swiglu_limit=10.0)
         # (the C kernel, its name, its token counts): each with the same routing and sort as `grouped`, in C
         # in the same call up to cpu_moe.KERNEL_TOKENS tokens (as the model runs it), else eager before it
+        tiles = cpu_attention.amx_available()
         kernels = [(cpu_moe.moe_few, "bf16 MoE", (1,) if smoke else (1, 8, 32))]
-        if cpu_attention.amx_available() and not smoke:
-            kernels.append((cpu_moe.moe_tiles, "bf16 MoE on AMX", (32, 512)))
+        if not smoke:
+            kernels.append((partial(cpu_moe.moe_blocks, tiles=tiles), f"bf16 MoE on {'AMX' if tiles else 'AVX512'}",
+                            (32, 512) if tiles else (128, 512)))
         for moe_kernel, name, counts in kernels:
             for tokens in counts:
                 x, ids = torch.randn(tokens, hidden, generator=gen).bfloat16(), torch.arange(tokens)
 
                 def kernel_moe(x=x, ids=ids, moe_kernel=moe_kernel):
                     if x.shape[0] <= cpu_moe.KERNEL_TOKENS:
-                        return cpu_moe.routed(x, ids, gate, bias, w13, w2, *shared, tiles=moe_kernel is cpu_moe.moe_tiles,
-                                              **constants, group_rows=moe.GROUP_ROWS, swiglu_limit=10.0)
+                        return cpu_moe.routed(x, ids, gate, bias, w13, w2, *shared,
+                                              tiles=moe_kernel is not cpu_moe.moe_few, **constants,
+                                              group_rows=moe.GROUP_ROWS, swiglu_limit=10.0)
                     _, places, picked, ends, weights, keep = route(x, ids, gate, bias)
                     return moe_kernel(x, picked, places, ends, weights, keep, w13, w2, *shared, swiglu_limit=10.0)
 

@@ -34,6 +34,7 @@ _SIGNATURES = {
     "decode_attention": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "moe_few": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "moe_tiles": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
+    "moe_dots": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "moe_route": [_POINTER] * 9 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "moe_routed": [_POINTER] * 9 + [_PARAMS, _PARAMS, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int],
     "band_attention": [_POINTER] * 7 + [_PARAMS, ctypes.c_float, ctypes.c_int],

@@ -1,9 +1,10 @@
-"""The MoE of a decode step's tokens on AVX512-BF16 (cpu/moe.c), for a bf16 model or an fp32 one whose
-weights hold bf16 values (read from bf16 copies, widened exactly as they are read): after the routing
-and sort (dsv4.model.moe.dispatch, or `route` for a decode step's few tokens), each expert's weights
-and the shared expert's read once where they lie, against all of their picks, rounded where
-dsv4.model.moe.grouped rounds. Their oracles are `grouped` and `dispatch` (their tests run the kernels
-against `grouped` and float64, and `route` against `dispatch`)."""
+"""The MoE as C kernels on AVX512-BF16: `moe_few` (cpu/moe.c) for a decode step's tokens, of a bf16 model
+or an fp32 one whose weights hold bf16 values (read from bf16 copies, widened exactly as they are read),
+and `moe_blocks` (cpu/moe_blocks.c) for any number of a bf16 model's tokens, in blocks of 16 picks, on
+AMX tiles or AVX512-BF16 alone: after the routing and sort (dsv4.model.moe.dispatch, or `route` for a
+decode step's few tokens), each expert's weights and the shared expert's read where they lie, against
+their picks, rounded where dsv4.model.moe.grouped rounds. Their oracles are `grouped` and `dispatch`
+(their tests run the kernels against `grouped` and float64, and `route` against `dispatch`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from .cpu_library import available, entry
 
-__all__ = ["KERNEL_TOKENS", "available", "moe_few", "moe_tiles", "route", "routed"]
+__all__ = ["KERNEL_TOKENS", "available", "moe_blocks", "moe_few", "route", "routed"]
 
 # The most tokens the model sends through the kernel rather than the grouped matmuls (decode steps of up
 # to 32 requests; measured on a Xeon, eager routing: 32 tokens 1.5 ms against 1.9, 64 tokens 2.7 against
@@ -46,8 +47,8 @@ def routed(x: torch.Tensor, token_ids: torch.Tensor, gate: torch.Tensor, route: 
            w2: torch.Tensor, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, *, tiles: bool,
            first_expert: int, local_experts: int, top_k: int, scoring_func: str, norm_topk_prob: bool,
            routed_scaling_factor: float, group_rows: int, swiglu_limit: float) -> torch.Tensor:
-    """`route`, then `moe_tiles` (`tiles`) or `moe_few` over its picks, as one call (a decode step's MoE;
-    the picks never reach Python): this rank's share of the MoE's output [T, hidden] in fp32."""
+    """`route`, then `moe_blocks` on AMX tiles (`tiles`) or `moe_few` over its picks, as one call (a decode
+    step's MoE; the picks never reach Python): this rank's share of the MoE's output [T, hidden] in fp32."""
     name = "moe_tiles" if tiles else "moe_few"
     route_inputs, route_params = _route_inputs(x, token_ids, gate, route, first_expert, local_experts, top_k,
                                                scoring_func, norm_topk_prob, group_rows)
@@ -98,17 +99,19 @@ def moe_few(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: t
     return _moe("moe_few", x, tokens, places, ends, scale, keep, w13, w2, shared_w13, shared_w2, swiglu_limit)
 
 
-def moe_tiles(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor,
-              keep: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor | None,
-              shared_w2: torch.Tensor | None, *, swiglu_limit: float) -> torch.Tensor:
-    """`moe_few`'s result for a bf16 x of any number of tokens, on AMX tiles (cpu/moe_amx.c; where
-    cpu_attention.amx_available()): the hidden size and the experts' widths multiples of 32."""
+def moe_blocks(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor,
+               keep: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor | None,
+               shared_w2: torch.Tensor | None, *, swiglu_limit: float, tiles: bool) -> torch.Tensor:
+    """`moe_few`'s result for a bf16 x of any number of tokens, in blocks of 16 picks, with the products on
+    AMX tiles (`tiles`: cpu/moe_amx.c, where cpu_attention.amx_available()) or as AVX512-BF16 dot
+    products: the hidden size and the experts' widths multiples of 32."""
     inter, hidden = w2.shape[-1], x.shape[-1]
     widths = (hidden, inter) + (() if shared_w2 is None else (shared_w2.shape[-1],))
     if x.dtype != torch.bfloat16 or any(width % 32 for width in widths):
-        raise RuntimeError(f"moe_tiles: x must be bf16 (got {x.dtype}) and the hidden size and the experts' widths "
+        raise RuntimeError(f"moe_blocks: x must be bf16 (got {x.dtype}) and the hidden size and the experts' widths "
                            f"multiples of 32 (got {widths})")
-    return _moe("moe_tiles", x, tokens, places, ends, scale, keep, w13, w2, shared_w13, shared_w2, swiglu_limit)
+    return _moe("moe_tiles" if tiles else "moe_dots", x, tokens, places, ends, scale, keep, w13, w2, shared_w13,
+                shared_w2, swiglu_limit)
 
 
 def _moe(name: str, x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: torch.Tensor,

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from dsv4.config import CSA, HCA, WINDOW, ModelConfig
 from dsv4.config.server_args import cpu_has_amx_bf16
@@ -199,7 +200,12 @@ class PagedAttention:
         if self.norm_rope_past is None or tokens <= self.norm_rope_past:
             return pieces.attention_exit(out, rope.cos2, rope.sin2, self.wo_a, self.wo_b)
         out = cpu_project.norm_rope(out.contiguous(), None, rope.cos2, rope.sin2, eps=None, inverse=True)
-        return linear(linear(out.flatten(1).unflatten(-1, (self.wo_a.shape[0], -1)), self.wo_a).flatten(1), self.wo_b)
+        # wo_a a group at a time, over strided views of the rows: the grouped product (`linear`'s einsum)
+        # first copies them group-major (two 256-token chunks of `small` in bf16 on a Zen 5: the exits
+        # 18.6 -> 15.2 ms a forward)
+        groups = out.flatten(1).to(self.wo_a.dtype).unflatten(-1, (self.wo_a.shape[0], -1)).unbind(1)
+        return linear(torch.cat([F.linear(rows, weight) for rows, weight in zip(groups, self.wo_a, strict=True)], -1),
+                      self.wo_b)
 
     def _attend_with_kernels(self, x: torch.Tensor, q: torch.Tensor, raw_rows: torch.Tensor, index_queries,
                              plan: BatchPlan, on_selection: SelectionSink | None) -> torch.Tensor:

@@ -67,13 +67,17 @@ class GroupedMoE:
         # or bf16 copies of fp32 weights that hold bf16 values (None: the kernel does not serve)
         on_cpu = self.w13.device.type == "cpu" and cpu_moe.available()
         self.kernel_weights = as_bf16(self.w13, self.w2, *self.shared) if on_cpu else None
-        # A bf16 model's forwards of any size on AMX tiles instead, where the CPU has them (ms a layer of
-        # `small` against the kernel above / the grouped matmuls, eager routing included: 1 token 0.35
-        # / 0.37, 32 tokens 0.78 / 1.54, 128 tokens 1.19 / 2.32 grouped, 512 tokens 2.84 / 4.65 grouped)
+        # A bf16 model's forwards of more tokens in blocks of 16 picks (`cpu_moe.moe_blocks`), where the
+        # widths allow: on AMX tiles where the CPU has them, and they take the decode steps too (ms a layer
+        # of `small` against the kernel above / the grouped matmuls, eager routing included: 1 token 0.35
+        # / 0.37, 32 tokens 0.78 / 1.54, 128 tokens 1.19 / 2.32 grouped, 512 tokens 2.84 / 4.65 grouped),
+        # else on AVX512-BF16 (a Zen 5, kernel and eager routing against the eager grouped MoE: 64 tokens 0.52
+        # against 1.0, 512 tokens 2.6 against 3.0)
         widths = (self.w13.shape[-1], self.w2.shape[-1]) + (() if self.shared[1] is None else (self.shared[1].shape[-1],))
         self.routing = {**dispatch_constants(cfg, self.experts), "group_rows": GROUP_ROWS}  # (cpu_moe.routed's)
-        self.tiles = (on_cpu and self.w13.dtype == torch.bfloat16 and self.kernel_weights is not None
-                      and all(width % 32 == 0 for width in widths) and cpu_attention.amx_available())
+        self.blocks = (on_cpu and self.w13.dtype == torch.bfloat16 and self.kernel_weights is not None
+                       and all(width % 32 == 0 for width in widths))
+        self.tiles = self.blocks and cpu_attention.amx_available()
 
     def __call__(self, x: torch.Tensor, token_ids: torch.Tensor, moe: Callable, dispatch: Callable) -> torch.Tensor:
         """x [T, hidden] (ffn_norm'ed), token_ids [T] -> [T, hidden]. `moe`: `grouped` or `few` with the
@@ -85,10 +89,10 @@ class GroupedMoE:
             # compiled dispatch took ~90 us a layer, most of it its own overhead)
             out = cpu_moe.routed(x, token_ids, *self.router, *self.kernel_weights, tiles=self.tiles, **self.routing,
                                  swiglu_limit=self.swiglu_limit)
-        elif self.tiles:
+        elif self.blocks:
             _, places, tokens, ends, scale, keep = dispatch(x, token_ids, *self.router)
-            out = cpu_moe.moe_tiles(x, tokens, places, ends, scale, keep, *self.kernel_weights,
-                                    swiglu_limit=self.swiglu_limit)
+            out = cpu_moe.moe_blocks(x, tokens, places, ends, scale, keep, *self.kernel_weights,
+                                     swiglu_limit=self.swiglu_limit, tiles=self.tiles)
         else:
             out = moe(x, token_ids, *self.router, self.w13, self.w2, *self.shared)
         if self.reduce is not None:

@@ -37,14 +37,18 @@ def test_matches_grouped(tokens, experts, hidden, inter, shared, top_k, rank):
     matches_grouped(cpu_moe.moe_few, tokens, experts, hidden, inter, shared, top_k, rank)
 
 
-@pytest.mark.skipif(not cpu_attention.amx_available(), reason="the CPU lacks AMX tiles")
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "dots"])
 @pytest.mark.parametrize("tokens,experts,hidden,inter,shared,top_k,rank", [
     (1, 8, 512, 256, 256, 2, None), (32, 8, 512, 256, 256, 2, None), (19, 6, 96, 64, 32, 3, (1, 4)),
-    (77, 16, 64, 32, 0, 6, None), (300, 8, 128, 64, 96, 2, (2, 5)), (5, 4, 64, 32, 32, 2, (1, 2))])
-def test_tiles_match_grouped(tokens, experts, hidden, inter, shared, top_k, rank):
-    """The AMX kernel: as the other, over token counts that give experts several blocks of 16 picks and
-    blocks of every size, and tensor-parallel ranks' experts."""
-    matches_grouped(cpu_moe.moe_tiles, tokens, experts, hidden, inter, shared, top_k, rank)
+    (77, 16, 64, 32, 0, 6, None), (300, 8, 128, 64, 96, 2, (2, 5)), (5, 4, 64, 32, 32, 2, (1, 2)),
+    (512, 8, 512, 256, 256, 2, None)])
+def test_blocks_match_grouped(tiles, tokens, experts, hidden, inter, shared, top_k, rank):
+    """The block kernel, on AMX tiles and on AVX512-BF16: as the other, over token counts that give experts
+    several blocks of 16 picks and blocks of every size, and tensor-parallel ranks' experts."""
+    if tiles and not cpu_attention.amx_available():
+        pytest.skip("the CPU lacks AMX tiles")
+    matches_grouped(functools.partial(cpu_moe.moe_blocks, tiles=tiles), tokens, experts, hidden, inter, shared, top_k,
+                    rank)
 
 
 def matches_grouped(kernel, tokens, experts, hidden, inter, shared, top_k, rank):
@@ -145,8 +149,8 @@ def test_rejects_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="do not fit"):
         cpu_moe.moe_few(x, picks[1], picks[0], *picks[2:], w13, w2.mT, None, None, swiglu_limit=LIMIT)
     with pytest.raises(RuntimeError, match="multiples of 32"):
-        cpu_moe.moe_tiles(x[:, :48], picks[1], picks[0], *picks[2:], w13[..., :48], w2[:, :48], None, None,
-                          swiglu_limit=LIMIT)
+        cpu_moe.moe_blocks(x[:, :48], picks[1], picks[0], *picks[2:], w13[..., :48], w2[:, :48], None, None,
+                           swiglu_limit=LIMIT, tiles=False)
 
 
 @pytest.mark.parametrize("scoring_func", ["sqrtsoftplus", "sigmoid", "softmax"])
@@ -211,7 +215,7 @@ def test_routed_is_route_then_the_kernel(tiles, tokens, hashed, dtype, rank):
     constants = {"first_expert": first, "local_experts": local, "top_k": 2, "scoring_func": "sqrtsoftplus",
                  "norm_topk_prob": True, "routed_scaling_factor": 1.5, "group_rows": moe.GROUP_ROWS}
     places, tokens_, ends, scale, keep = cpu_moe.route(x, token_ids, gate, route, **constants)
-    kernel = cpu_moe.moe_tiles if tiles else cpu_moe.moe_few
+    kernel = functools.partial(cpu_moe.moe_blocks, tiles=True) if tiles else cpu_moe.moe_few
     expected = kernel(x, tokens_, places, ends, scale, keep, w13, w2, *shared, swiglu_limit=LIMIT)
     got = cpu_moe.routed(x, token_ids, gate, route, w13, w2, *shared, tiles=tiles, **constants, swiglu_limit=LIMIT)
     assert torch.equal(got, expected)

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 
 #include "dots.h"
+#include "moe.h"
 #include "simd.h"
 
 /* p[]: tokens, picks, local experts, hidden size, an expert's width, the shared expert's (0: none),

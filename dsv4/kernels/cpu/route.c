@@ -16,6 +16,7 @@
 #include <stdlib.h>
 
 #include "dots.h"
+#include "moe.h"
 #include "simd.h"
 
 /* p[]: tokens, hidden size, all experts, k, this rank's first expert, its experts, whether x is fp32
@@ -128,13 +129,6 @@ int moe_route(const void *x, const float *gate, const void *route, const int64_t
   free(chosen);
   return 0;
 }
-
-int moe_few(const void *x, const uint16_t *w13, const uint16_t *w2, const uint16_t *shared_w13,
-            const uint16_t *shared_w2, const int64_t *tokens, const int64_t *places, const int32_t *ends,
-            const uint8_t *keep, const float *scale, float *out, const int64_t *p, float limit, int threads);
-int moe_tiles(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, const uint16_t *shared_w13,
-              const uint16_t *shared_w2, const int64_t *tokens, const int64_t *places, const int32_t *ends,
-              const uint8_t *keep, const float *scale, float *out, const int64_t *p, float limit, int threads);
 
 /* moe_route, then moe_few (or moe_tiles, `tiles`) over its picks: the MoE of a decode step's tokens in
  * one call. rp[]: moe_route's p[]; mp[]: the MoE kernel's (its picks T * k). */

@@ -8,11 +8,12 @@
  * and each query row's pair, read in place, is broadcast against two strips (8 rows x 32 keys in 16
  * registers over the whole head dim). The softmax weights stay fp32, and the value products are fp32
  * FMAs over the block's rows converted to fp32 once (an fp32 weight times a bf16 value is exact in
- * fp32): 4 rows x 64 dims in 16 registers over every column. Every product is exact, so only the
+ * fp32): 4 rows x 64 dims in 16 registers over the columns. Every product is exact, so only the
  * order of the fp32 sums differs from fp32 arithmetic. Each work item is a block's range of up to
- * ITEM_ROWS (query, head) rows: its logits, its softmax a row at a time, its value products divided
- * by the rows' denominators and rounded to bf16. A thread's items are consecutive, so most share
- * their block's packed rows. OpenMP threads share torch's team, as in attention.c. */
+ * ITEM_ROWS (query, head) rows, over only the columns some of its queries attend to: its logits, its
+ * softmax a row at a time, its value products divided by the rows' denominators and rounded to bf16.
+ * Each thread takes a run of consecutive items (most share their block's packed rows) of an equal
+ * share of the work. OpenMP threads share torch's team, as in attention.c. */
 
 #include <omp.h>
 #include <stdint.h>

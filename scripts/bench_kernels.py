@@ -154,7 +154,7 @@ def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
     `small` preset's shapes (16 heads x 512 dims, a 128-row window; 8 experts of 256, top-2, a shared one)."""
     gen = torch.Generator().manual_seed(0)
     print(f"CPU kernels against the torch code they replace; best of {repeats}, {torch.get_num_threads()} torch thread(s)")
-    print(f"{'case':>44} {'kernel ms':>10} {'torch ms':>9} {'speedup':>8}")
+    print(f"{'case':>52} {'kernel ms':>10} {'torch ms':>9} {'speedup':>8}")
     if cpu_attention.available():
         blocks, block, heads, band, count, dim = (2 if smoke else 16), 16, 16, 144, 64, 512
         length = blocks * block
@@ -173,7 +173,7 @@ def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
         kernel, reference = time_cpu(partial(cpu_attention.band_attention, q, rows, allowed, sink, compressed,
                                              compressed_allowed, block=block, scale=scale), torch_ops, repeats=repeats)
         where = "AMX" if cpu_attention.amx_available() else "AVX512-BF16"
-        print(f"{f'bf16 prefill attention, {length}-token chunk ({where})':>44} {kernel * 1e3:>10.2f} "
+        print(f"{f'bf16 prefill attention, {length}-token chunk ({where})':>52} {kernel * 1e3:>10.2f} "
               f"{reference * 1e3:>9.2f} {reference / kernel:>7.1f}x")
     if cpu_moe.available():
         experts, hidden, inter, top_k = 8, 512, 256, 2
@@ -207,7 +207,7 @@ def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
 
                 kernel, reference = time_cpu(kernel_moe, partial(grouped, x, ids, gate, bias, w13, w2, *shared),
                                              repeats=repeats)
-                print(f"{f'{name}, {tokens} token(s), with the routing':>44} {kernel * 1e3:>10.2f} "
+                print(f"{f'{name}, {tokens} token(s), with the routing':>52} {kernel * 1e3:>10.2f} "
                       f"{reference * 1e3:>9.2f} {reference / kernel:>7.1f}x")
         n, mixes = 4, 24  # the mHC mix: 4 streams, against its torch code (eager: the compiled piece's math)
         for tokens in (1,) if smoke else (1, 32, 512):
@@ -218,7 +218,7 @@ def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
             constants = {"n": n, "sinkhorn_iters": 20, "hc_eps": 1e-6, "norm_eps": 1e-6}
             kernel, reference = time_cpu(partial(cpu_mhc.mix, streams, output, *weights, **constants),
                                          partial(mhc.mix, streams, output, *weights, **constants), repeats=repeats)
-            print(f"{f'fp32 mHC mix, {tokens} token(s) (torch eager)':>44} {kernel * 1e3:>10.2f} {reference * 1e3:>9.2f} "
+            print(f"{f'fp32 mHC mix, {tokens} token(s) (torch eager)':>52} {kernel * 1e3:>10.2f} {reference * 1e3:>9.2f} "
                   f"{reference / kernel:>7.1f}x")
         q_rank, dim, heads, rope = 256, 512, 16, 64  # the attention's projections at one token
         width = q_rank + dim + 2624
@@ -231,7 +231,7 @@ def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
         kernel, reference = time_cpu(
             partial(cpu_project.project, x, w_input, norms[0], wq_b, norms[1], cos2, sin2, eps=1e-6),
             partial(project_inputs, x, *wide, cos2, sin2, eps=1e-6), repeats=repeats)
-        print(f"{'fp32 projections, 1 token (torch eager)':>44} {kernel * 1e3:>10.2f} {reference * 1e3:>9.2f} "
+        print(f"{'fp32 projections, 1 token (torch eager)':>52} {kernel * 1e3:>10.2f} {reference * 1e3:>9.2f} "
               f"{reference / kernel:>7.1f}x")
 
 

@@ -31,10 +31,10 @@ much of a layer's small ops:
   dsv4.model.moe.few, one per routing kind), which reads each pick's expert where it lies with
   `ops.row_linear` (a c=1 decode step's MoE of `small` took 1.8 against 7.1 ms); on an AVX512-BF16
   CPU a bf16 model, or an fp32 one whose weights hold bf16 values, runs C kernels instead (routing
-  and MoE) in forwards of up to `cpu_moe.KERNEL_TOKENS` tokens, and a bf16 model on a CPU with AMX
-  runs the MoE on its tiles in forwards of any size, after the dispatch package past that many
-  (dsv4/kernels/cpu_moe.py; its `moe_few` packages, and the projections' packages that the C kernels
-  replace, are still compiled, unused).
+  and MoE) in forwards of up to `cpu_moe.KERNEL_TOKENS` tokens, and a bf16 model runs the MoE of
+  longer forwards in blocks of 16 picks (on a CPU with AMX, on its tiles, forwards of any size), after
+  the dispatch package past that many (dsv4/kernels/cpu_moe.py; its `moe_few` packages, and the projections'
+  packages that the C kernels replace, are still compiled, unused).
 Compiled, each is one call of fused C++ kernels around its matmuls. Ahead of time rather than
 `torch.compile`'s just-in-time form because a call then skips dynamo's guards on every input: in a
 c=1 decode step (small, fp32, in process, alternated runs) the jit-compiled collapse took 207 us a

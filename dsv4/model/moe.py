@@ -5,9 +5,9 @@ are padded with zero rows to a multiple of GROUP_ROWS, so its matmuls come in a 
 few tokens of a decode step, compiled, `few` reads each pick's expert in place instead (no sort, no
 grouped matmul); on a CPU with AVX512-BF16, the forwards of up to cpu_moe.KERNEL_TOKENS tokens of a bf16
 model (or of an fp32 one whose weights hold bf16 values, from bf16 copies of them) run the same sums
-as one C kernel instead, and on a CPU with AMX tiles a bf16 model's forwards of any size run them on
-the tiles (dsv4/kernels/cpu_moe.py), each after the routing and sort: in C for up to KERNEL_TOKENS
-tokens, else the compiled dispatch.
+as one C kernel instead, and a bf16 model's longer forwards run them in blocks of 16 picks (on a CPU
+with AMX tiles, on the tiles, forwards of any size; dsv4/kernels/cpu_moe.py), each after the routing
+and sort: in C for up to KERNEL_TOKENS tokens, else the compiled dispatch.
 
 Routing: scores s = score_fn(x @ W_gate^T) in at least fp32; learned layers pick the top-k of s + bias
 (the bias only steers selection), hash layers pick tid2eid[token id]; the picks are weighted by their

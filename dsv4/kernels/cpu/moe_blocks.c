@@ -132,7 +132,6 @@ int moe_blocks(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, const
   return 0;
 }
 
-
 /* ---- moe_dots: the products as vdpbf16ps, for a CPU with AVX512-BF16 and no AMX tiles ---------------- */
 /* Each weight pair is broadcast against the block's pair of 16 picks: a row's 16 sums in one register. */
 

@@ -5,7 +5,7 @@
   (cpu/band_amx.c) the softmax weights are split into three bf16 pieces that sum to them exactly, so
   that the value products are exact on the tiles too; on AVX512-BF16 alone (cpu/band_dots.c) the
   value products are fp32 FMAs, and only the columns some query of a work item attends to are
-  computed;
+  computed. The latter takes an fp32 model's attention too, its logits as fp32 FMAs;
 - `decode_attention` (cpu/attention.c): the whole attention of decode tokens over their rings and
   compressed rows where they lie in the pools (dsv4.model.attention.decode_sink_attention), in bf16 (logits as bf16
   pair products) or fp32 (FMAs); softmax and value products in fp32.
@@ -52,14 +52,17 @@ def band_attention(q: torch.Tensor, rows: torch.Tensor, raw_allowed: torch.Tenso
     [B, C, D] bf16, compressed_allowed [B, N, Q, C] bool), sink [H] -> [B, L, H, D] bf16: what
     `banded_sink_attention` computes from the same bf16 values, rounded to bf16 (the blocks' queries
     past L are never computed). On AMX tiles where this CPU has them (`tiles`, default: then), else on
-    AVX512-BF16 (cpu/band_dots.c), which reads every layout `tiles_read` does not require."""
+    AVX512-BF16 (cpu/band_dots.c), which reads every layout `tiles_read` does not require, and fp32
+    operands too (q, rows and compressed fp32 -> fp32)."""
     tiles = amx_available() if tiles is None else tiles
     batch, length, heads, dim = q.shape
     blocks, keys = raw_allowed.shape[1], raw_allowed.shape[3]
     count = 0 if compressed is None else compressed.shape[1]
     problems = []
-    if q.dtype != torch.bfloat16 or rows.dtype != torch.bfloat16 or q.device.type != "cpu":
-        problems.append(f"q and rows must be bf16 CPU tensors (got {q.dtype}, {rows.dtype} on {q.device})")
+    dtypes = (torch.bfloat16,) if tiles else (torch.bfloat16, torch.float32)
+    if q.dtype not in dtypes or rows.dtype != q.dtype or q.device.type != "cpu":
+        problems.append(f"q and rows must be CPU tensors of one dtype, {'bf16' if tiles else 'bf16 or fp32'} (got "
+                        f"{q.dtype}, {rows.dtype} on {q.device})")
     if dim % (32 if tiles else 2) or q.stride(3) != 1 or q.stride(2) != dim or q.stride(1) != heads * dim:
         problems.append(f"q's head dim must be a multiple of {32 if tiles else 2} and its tokens' rows contiguous "
                         f"(got {tuple(q.shape)}, strides {q.stride()})")
@@ -72,10 +75,11 @@ def band_attention(q: torch.Tensor, rows: torch.Tensor, raw_allowed: torch.Tenso
         problems.append(f"rows must be [B, R, {dim}] with contiguous rows (got {tuple(rows.shape)})")
     if sink.shape != (heads,):
         problems.append(f"sink must be [{heads}] (got {tuple(sink.shape)})")
-    if count and (compressed.dtype != torch.bfloat16 or compressed.shape != (batch, count, dim) or compressed.stride(2) != 1
+    if count and (compressed.dtype != q.dtype or compressed.shape != (batch, count, dim) or compressed.stride(2) != 1
                   or compressed_allowed is None or compressed_allowed.shape != (batch, blocks, block, count)
                   or compressed_allowed.dtype != torch.bool):
-        problems.append("compressed must be bf16 [B, C, D] with contiguous rows, compressed_allowed bool [B, N, Q, C]")
+        problems.append("compressed must be [B, C, D] of q's dtype with contiguous rows, compressed_allowed bool "
+                        "[B, N, Q, C]")
     if problems:
         raise RuntimeError("band_attention: " + "; ".join(problems))
     raw_mask = raw_allowed.view(torch.uint8)
@@ -90,7 +94,8 @@ def band_attention(q: torch.Tensor, rows: torch.Tensor, raw_allowed: torch.Tenso
               q.stride(0), q.stride(1), rows.stride(0), rows.stride(1),
               raw_mask.stride(0), raw_mask.stride(1), raw_mask.stride(2),
               *((compressed.stride(0), compressed.stride(1)) if count else (0, 0)),
-              *((comp_mask.stride(0), comp_mask.stride(1), comp_mask.stride(2)) if count else (0, 0, 0)))
+              *((comp_mask.stride(0), comp_mask.stride(1), comp_mask.stride(2)) if count else (0, 0, 0)),
+              q.dtype == torch.float32)
     sink = sink.float().contiguous()
     status = entry("band_attention" if tiles else "band_attention_dots")(
         q.data_ptr(), rows.data_ptr(), raw_mask.data_ptr(), compressed.data_ptr() if count else None,

@@ -107,6 +107,8 @@ class PagedAttention:
                            and bf16_logits() is not None)
         self.decode_kernel = (on_cpu and _PLAIN_ROW_DTYPES.get(pools.main_format) == dtype
                               and dtype in (torch.bfloat16, torch.float32) and cpu_attention.available())
+        # an fp32 model's prefill attention as the AVX512-BF16 CPU's kernel too, its logits fp32 FMAs
+        self.fp32_band_kernel = on_cpu and dtype == torch.float32 and cpu_attention.available()
         self.scale = softmax_scale(cfg)
         # The projections of decode steps of up to cpu_project.KERNEL_TOKENS tokens as the C kernels
         # that read these (bf16, or bf16 copies of fp32 ones): w_input, wq_b, wo_a, wo_b (None: torch's)
@@ -249,7 +251,7 @@ class PagedAttention:
             rows = sources[0] if len(sources) == 1 else torch.cat(sources, 1)
             return cpu_attention.band_attention(group.rows(q), rows, group.band_allowed, self.sink, compressed,
                                                 compressed_allowed, block=block, scale=self.scale,
-                                                tiles=kernel == "amx").flatten(0, 1)
+                                                tiles=kernel == "tiles").flatten(0, 1)
         height = (blocks - 1) * block + band  # rows the blocks' bands span, the last one's padding included
         sources.append(own.new_zeros(batch, height - sum(part.shape[1] for part in sources), own.shape[-1]))
         raw = torch.cat(sources, 1).unfold(1, band, block).transpose(-1, -2)  # [B, N, K, D]: each block's band
@@ -262,15 +264,18 @@ class PagedAttention:
         return out.flatten(1, 2)[:, :length].flatten(0, 1).to(q.dtype)  # [B*L, H, D]
 
     def _band_kernel(self, group: AttentionGroup) -> str | None:
-        """How the group's attention runs as one C kernel (`cpu_attention.band_attention`), for a bf16
-        model's bf16 values: "amx" on AMX tiles in the layouts they read, "avx512_bf16" on the
+        """How the group's attention runs as one C kernel (`cpu_attention.band_attention`): for a bf16
+        model's bf16 values, "tiles" on AMX tiles in the layouts they read, else "dots" on the
         AVX512-BF16 units (where `bf16_logits` says either; a 256-token chunk of `small`'s layer on a
         Zen 5: 2.0 ms against 4.2 for the torch ops around the logits' kernel, with 64 compressed rows
-        2.9 against 7.5); None: the torch ops of `banded_sink_attention`."""
+        2.9 against 7.5); "dots" for an fp32 model's values (`fp32_band_kernel`: two 256-token chunks
+        of `small` on a Zen 5, the attention 133 -> 52 ms a forward); None: the torch ops of
+        `banded_sink_attention`."""
         path = bf16_logits() if self.exact_bf16 else None
         if path == "amx" and cpu_attention.tiles_read(self.cfg.head_dim, group.band_allowed.shape[1], group.block):
-            return "amx"
-        return "avx512_bf16" if path in ("amx", "avx512_bf16") and self.cfg.head_dim % 2 == 0 else None
+            return "tiles"
+        dots = path in ("amx", "avx512_bf16") or self.fp32_band_kernel
+        return "dots" if dots and self.cfg.head_dim % 2 == 0 else None
 
     def _attend_decodes(self, group: AttentionGroup, q: torch.Tensor, raw_rows: torch.Tensor, positions: torch.Tensor,
                         picks, attend_decodes) -> torch.Tensor:

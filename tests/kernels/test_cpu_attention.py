@@ -1,6 +1,6 @@
 """The AVX512-BF16 attention kernels (dsv4/kernels/cpu_attention.py) over sweeps of shapes (head dims
 and key counts off their 32- and 16-wide steps): the band attention, on AMX tiles and on AVX512-BF16
-alone, against the model's attention in float64, with bands off their 32-wide steps, blocks that
+alone (and in fp32 there), against the model's attention in float64, with bands off their 32-wide steps, blocks that
 overrun the chunk, source rows that end before the last band (read as zeros), random masks and the
 masks the model's plan builds (a prompt's first chunk, whose early blocks see few of their band's rows,
 and a later one), one thread against several; the decode attention against the model's torch op,
@@ -84,6 +84,24 @@ def test_band_attention_equals_the_float64_attention(index, tiles):
         got = cpu_attention.band_attention(*args, block=block, scale=scale, tiles=tiles)
         assert got.dtype == torch.bfloat16 and got.shape == args[0].shape
         assert_close_to(got, tile_expected(*args, block, scale), (shape, seed))
+
+
+@pytest.mark.parametrize("shape", DOTS_SHAPES)
+def test_band_attention_in_fp32_equals_the_float64_attention(shape):
+    """An fp32 model's operands (no bf16 values: the logits as fp32 FMAs) on AVX512-BF16: the float64
+    result within fp32 sums' rounding; the tiles refuse them."""
+    block, scale = shape[2], shape[6] ** -0.5
+    for seed in range(2):
+        q, rows, raw_allowed, sink, compressed, compressed_allowed = tile_inputs(shape, seed)
+        q = q.float() + torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)) * 1e-3
+        args = (q, rows.float(), raw_allowed, sink, None if compressed is None else compressed.float(),
+                compressed_allowed)
+        got = cpu_attention.band_attention(*args, block=block, scale=scale, tiles=False)
+        want = tile_expected(*args, block, scale)
+        assert got.dtype == torch.float32 and got.shape == q.shape
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5, (shape, seed)
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_attention.band_attention(*args, block=block, scale=scale, tiles=True)
 
 
 def plan_masks(blocks, block, keys, window, start, length, compressed, ratio):

@@ -16,6 +16,7 @@ enum {
   A_RA_B, A_RA_N, A_RA_J,      /* raw_allowed[b][n][query][k] */
   A_COMP_B, A_COMP_C,          /* compressed[b][c][d] */
   A_CA_B, A_CA_N, A_CA_J,      /* compressed_allowed[b][n][query][c] */
+  A_FP32,                      /* q, rows, compressed and out are fp32 (band_dots.c alone), else bf16 */
   A_COUNT
 };
 

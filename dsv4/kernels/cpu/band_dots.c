@@ -1,7 +1,8 @@
 /* band_attention_dots: the whole sink attention of prefill chunks' query blocks over their bands of
  * raw rows and the compressed rows, for a bf16 model on a CPU with AVX512-BF16 and no AMX tiles (a
- * Zen 4 or 5); band_amx.c is the tiles' version, with the same arguments and results. Its oracle is
- * dsv4.model.attention.banded_sink_attention.
+ * Zen 4 or 5; band_amx.c is the tiles' version, with the same arguments and results), and for an fp32
+ * model on any AVX512-BF16 CPU (p[A_FP32]: its logits are fp32 FMAs, strips of 16 keys' dims, the
+ * rest alike). Its oracle is dsv4.model.attention.banded_sink_attention.
  *
  * The queries and rows hold bf16 values, so the logits' products are exact as vdpbf16ps (bf16 pairs
  * summed into fp32 lanes): a block's keys are packed once into strips of 16 (`strips[strip][pair][key]`)
@@ -28,84 +29,95 @@ enum { ITEM_ROWS = 64, LOGIT_ROWS = 8, STRIP = 16, VALUE_ROWS = 4 };
 
 typedef struct {
   const int64_t *p;
-  const uint16_t *q, *rows, *comp;
+  const char *q, *rows, *comp; /* bf16, or fp32 (`fp32`) */
   const uint8_t *raw_allowed, *comp_allowed;
   const float *sink;
-  uint16_t *out;
+  char *out;
   float scale;
   int64_t raw_cols, cols; /* raw_cols = round_up(K, STRIP), cols adds round_up(C, STRIP) */
+  int fp32;
+  int64_t size; /* bytes of an element */
 } Shared;
 
 typedef struct {
-  uint32_t *strips;      /* [cols / STRIP][D / 2][STRIP]: the block's keys as bf16 pairs */
+  uint32_t *strips;      /* [cols / STRIP][D / 2][STRIP]: the block's keys as bf16 pairs ([D][STRIP] fp32) */
   float *values;         /* [cols][D]: the same rows in fp32 */
   float *weights;        /* [ITEM_ROWS][cols]: logits, then softmax numerators */
   float *denom;          /* [ITEM_ROWS] */
-  const uint32_t *zeros; /* [D / 2]: the query of a row past the chunk */
+  const uint32_t *zeros; /* [D]: the query of a row past the chunk */
   int64_t packed;        /* the block (b * N + n) whose rows strips and values hold; -1: none yet */
 } Scratch;
 
 /* Column c's row of block (b, n): its band's rows, then the compressed rows; NULL where it is none
  * (band columns past K or rows past R, compressed columns past C: zeros). */
-static const uint16_t *column_row(const Shared *s, int64_t b, int64_t n, int64_t c) {
+static const char *column_row(const Shared *s, int64_t b, int64_t n, int64_t c) {
   const int64_t *p = s->p;
   if (c < s->raw_cols) {
     const int64_t r = n * p[A_Q] + c;
-    return c < p[A_K] && r < p[A_R] ? s->rows + b * p[A_ROW_B] + r * p[A_ROW_R] : NULL;
+    return c < p[A_K] && r < p[A_R] ? s->rows + (b * p[A_ROW_B] + r * p[A_ROW_R]) * s->size : NULL;
   }
   c -= s->raw_cols;
-  return c < p[A_C] ? s->comp + b * p[A_COMP_B] + c * p[A_COMP_C] : NULL;
+  return c < p[A_C] ? s->comp + (b * p[A_COMP_B] + c * p[A_COMP_C]) * s->size : NULL;
 }
 
 /* Block (b, n)'s columns into the scratch: strips of keys, gathered 16 rows at a time (the columns of
  * a strip are rows `stride` apart: band rows, or compressed rows), and the rows in fp32. */
 static void pack_block(const Shared *s, int64_t b, int64_t n, Scratch *scratch) {
   const int64_t *p = s->p;
-  const int64_t D = p[A_D], pairs = D / 2;
+  const int64_t D = p[A_D], words = s->fp32 ? D : D / 2; /* a key's 32-bit words: fp32 dims, or bf16 pairs */
   for (int64_t c = 0; c < s->cols; c += STRIP) {
     const int compressed = c >= s->raw_cols;
     const int64_t stride = compressed ? p[A_COMP_C] : p[A_ROW_R];
     __mmask16 present = 0;
     for (int i = 0; i < STRIP; i++) present |= (__mmask16)((column_row(s, b, n, c + i) != NULL) << i);
-    uint32_t *strip = scratch->strips + c / STRIP * pairs * STRIP;
-    const uint16_t *first = column_row(s, b, n, c);
+    uint32_t *strip = scratch->strips + c / STRIP * words * STRIP;
+    const char *first = column_row(s, b, n, c);
     if (first == NULL) { /* (a strip's present columns are its first ones) */
-      memset(strip, 0, (size_t)pairs * STRIP * 4);
+      memset(strip, 0, (size_t)words * STRIP * 4);
     } else {
       const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32((int)(stride * 2)));
-      for (int64_t d = 0; d < pairs; d++)
+                                            _mm512_set1_epi32((int)(stride * s->size)));
+      for (int64_t d = 0; d < words; d++)
         _mm512_storeu_si512((void *)(strip + d * STRIP),
-                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, at, first + 2 * d, 1));
+                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, at, first + 4 * d, 1));
     }
     for (int i = 0; i < STRIP; i++) {
-      const uint16_t *row = column_row(s, b, n, c + i);
+      const char *row = column_row(s, b, n, c + i);
       float *value = scratch->values + (c + i) * D;
       if (row == NULL) {
         memset(value, 0, (size_t)D * 4);
-        continue;
-      }
-      for (int64_t d = 0; d < D; d += 16) {
-        const __mmask16 lanes = first_lanes(D - d);
-        _mm512_mask_storeu_ps(value + d, lanes, bf16_to_fp32((__m256bh)_mm256_maskz_loadu_epi16(lanes, row + d)));
+      } else if (s->fp32) {
+        memcpy(value, row, (size_t)D * 4);
+      } else {
+        for (int64_t d = 0; d < D; d += 16) {
+          const __mmask16 lanes = first_lanes(D - d);
+          _mm512_mask_storeu_ps(value + d, lanes,
+                                bf16_to_fp32((__m256bh)_mm256_maskz_loadu_epi16(lanes, (const uint16_t *)row + d)));
+        }
       }
     }
   }
 }
 
-/* Logits of the item's rows (queries[r]: row r's bf16 pairs) against strips [c, c + STRIP * strips). */
-INLINE void logit_tile(const uint32_t *const *queries, const uint32_t *strip, int64_t pairs, int strips,
+/* Logits of the item's rows (queries[r]: row r's words, bf16 pairs or fp32 dims) against strips
+ * [c, c + STRIP * strips) of `words` words a key. */
+INLINE void logit_tile(const uint32_t *const *queries, const uint32_t *strip, int64_t words, int strips, const int fp32,
                        float *out, int64_t cols) {
   __m512 acc[LOGIT_ROWS][2];
   for (int r = 0; r < LOGIT_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < pairs; d++) {
-    const __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void *)(strip + d * STRIP));
-    const __m512bh k1 = strips == 2 ? (__m512bh)_mm512_loadu_si512((const void *)(strip + (pairs + d) * STRIP)) : k0;
+  for (int64_t d = 0; d < words; d++) {
+    const __m512i k0 = _mm512_loadu_si512((const void *)(strip + d * STRIP));
+    const __m512i k1 = strips == 2 ? _mm512_loadu_si512((const void *)(strip + (words + d) * STRIP)) : k0;
 #pragma GCC unroll 8
     for (int r = 0; r < LOGIT_ROWS; r++) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32((int)queries[r][d]);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, k0);
-      if (strips == 2) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, k1);
+      const __m512i a = _mm512_set1_epi32((int)queries[r][d]);
+      if (fp32) {
+        acc[r][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(k0), acc[r][0]);
+        if (strips == 2) acc[r][1] = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(k1), acc[r][1]);
+      } else {
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)k0);
+        if (strips == 2) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)k1);
+      }
     }
   }
   for (int r = 0; r < LOGIT_ROWS; r++) {
@@ -115,9 +127,10 @@ INLINE void logit_tile(const uint32_t *const *queries, const uint32_t *strip, in
 }
 
 /* The value products of `rows` weight rows over the columns of `spans`, dims [d, d + 16 * vectors), divided by
- * their denominators, rounded to bf16 into out[r] + d. */
+ * their denominators, into out[r] + d: fp32, or rounded to bf16. */
 INLINE void value_tile(const float *weights, const float *values, const float *denom, int64_t cols,
-                       const int64_t (*spans)[2], int64_t D, int64_t d, int rows, int vectors, uint16_t *const *out) {
+                       const int64_t (*spans)[2], int64_t D, int64_t d, int rows, int vectors, int fp32,
+                       void *const *out) {
   __m512 acc[VALUE_ROWS][4];
   for (int r = 0; r < VALUE_ROWS; r++)
     for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
@@ -135,7 +148,8 @@ INLINE void value_tile(const float *weights, const float *values, const float *d
     for (int v = 0; v < vectors; v++) {
       const __mmask16 lanes = first_lanes(D - d - 16 * v);
       const __m512 result = _mm512_div_ps(acc[r][v], _mm512_set1_ps(denom[r]));
-      _mm256_mask_storeu_epi16(out[r] + d + 16 * v, lanes, (__m256i)_mm512_cvtneps_pbh(result));
+      if (fp32) _mm512_mask_storeu_ps((float *)out[r] + d + 16 * v, lanes, result);
+      else _mm256_mask_storeu_epi16((uint16_t *)out[r] + d + 16 * v, lanes, (__m256i)_mm512_cvtneps_pbh(result));
     }
 }
 
@@ -192,7 +206,7 @@ static int64_t cost(const Item *it) {
 
 static void run_item(const Shared *s, const Item *it, Scratch *scratch) {
   const int64_t *p = s->p;
-  const int64_t D = p[A_D], H = p[A_H], pairs = D / 2, cols = s->cols;
+  const int64_t D = p[A_D], H = p[A_H], words = s->fp32 ? D : D / 2, cols = s->cols;
   const int64_t b = it->b, n = it->n, m0 = it->m0, valid = it->valid, block = b * p[A_N] + n;
   const int64_t(*spans)[2] = it->spans;
   if (scratch->packed != block) {
@@ -204,18 +218,24 @@ static void run_item(const Shared *s, const Item *it, Scratch *scratch) {
   const uint8_t *comp_allowed = cols > s->raw_cols
                                     ? s->comp_allowed + b * p[A_CA_B] + n * p[A_CA_N] + first_query * p[A_CA_J] : NULL;
   /* the block's (query, head) rows are q's rows from token n*Q on */
-  const uint16_t *q = s->q + b * p[A_Q_B] + n * p[A_Q] * p[A_Q_T] + m0 * D;
+  const char *q = s->q + (b * p[A_Q_B] + n * p[A_Q] * p[A_Q_T] + m0 * D) * s->size;
   for (int64_t m = 0; m < valid; m += LOGIT_ROWS) {
     const uint32_t *queries_at[LOGIT_ROWS];
     for (int r = 0; r < LOGIT_ROWS; r++)
-      queries_at[r] = m + r < valid ? (const uint32_t *)(q + (m + r) * D) : scratch->zeros;
+      queries_at[r] = m + r < valid ? (const uint32_t *)(q + (m + r) * D * s->size) : scratch->zeros;
     float *out = scratch->weights + m * cols;
     for (int span = 0; span < 2; span++) {
       int64_t c = spans[span][0];
-      for (; c + 2 * STRIP <= spans[span][1]; c += 2 * STRIP)
-        logit_tile(queries_at, scratch->strips + c / STRIP * pairs * STRIP, pairs, 2, out + c, cols);
-      if (c < spans[span][1])
-        logit_tile(queries_at, scratch->strips + c / STRIP * pairs * STRIP, pairs, 1, out + c, cols);
+      for (; c + 2 * STRIP <= spans[span][1]; c += 2 * STRIP) {
+        const uint32_t *strip = scratch->strips + c / STRIP * words * STRIP;
+        if (s->fp32) logit_tile(queries_at, strip, words, 2, 1, out + c, cols);
+        else logit_tile(queries_at, strip, words, 2, 0, out + c, cols);
+      }
+      if (c < spans[span][1]) {
+        const uint32_t *strip = scratch->strips + c / STRIP * words * STRIP;
+        if (s->fp32) logit_tile(queries_at, strip, words, 1, 1, out + c, cols);
+        else logit_tile(queries_at, strip, words, 1, 0, out + c, cols);
+      }
     }
   }
   for (int64_t r = 0; r < valid; r++) { /* each row's softmax numerators and denominator */
@@ -242,27 +262,29 @@ static void run_item(const Shared *s, const Item *it, Scratch *scratch) {
   }
   for (int64_t m = 0; m < valid; m += VALUE_ROWS) {
     const int count = valid - m < VALUE_ROWS ? (int)(valid - m) : VALUE_ROWS;
-    uint16_t *out[VALUE_ROWS];
+    void *out[VALUE_ROWS];
     for (int r = 0; r < count; r++) {
       const int64_t row = m0 + m + r, token = n * p[A_Q] + row / H;
-      out[r] = s->out + ((b * p[A_L] + token) * H + row % H) * D;
+      out[r] = s->out + ((b * p[A_L] + token) * H + row % H) * D * s->size;
     }
     /* (a last tile's rows past `count` multiply whatever the scratch holds there and are never stored) */
     const float *weights = scratch->weights + m * cols;
     int64_t d = 0;
     for (; d + 64 <= D; d += 64)
-      value_tile(weights, scratch->values, scratch->denom + m, cols, spans, D, d, count, 4, out);
-    for (; d < D; d += 16) value_tile(weights, scratch->values, scratch->denom + m, cols, spans, D, d, count, 1, out);
+      value_tile(weights, scratch->values, scratch->denom + m, cols, spans, D, d, count, 4, s->fp32, out);
+    for (; d < D; d += 16)
+      value_tile(weights, scratch->values, scratch->denom + m, cols, spans, D, d, count, 1, s->fp32, out);
   }
 }
 
-/* Returns 0, -1 where scratch memory could not be had. out [B, L, H, D] bf16, contiguous; D even. */
-int band_attention_dots(const uint16_t *q, const uint16_t *rows, const uint8_t *raw_allowed, const uint16_t *comp,
-                        const uint8_t *comp_allowed, const float *sink, uint16_t *out, const int64_t *p, float scale,
+/* Returns 0, -1 where scratch memory could not be had. out [B, L, H, D] of q's dtype, contiguous; D even. */
+int band_attention_dots(const void *q, const void *rows, const uint8_t *raw_allowed, const void *comp,
+                        const uint8_t *comp_allowed, const float *sink, void *out, const int64_t *p, float scale,
                         int threads) {
   const int64_t D = p[A_D], M = p[A_Q] * p[A_H];
   const int64_t raw_cols = round_up(p[A_K], STRIP), cols = raw_cols + round_up(p[A_C], STRIP);
-  const Shared shared = {p, q, rows, comp, raw_allowed, comp_allowed, sink, out, scale, raw_cols, cols};
+  const Shared shared = {p, q, rows, comp, raw_allowed, comp_allowed, sink, out, scale, raw_cols, cols,
+                         (int)p[A_FP32], p[A_FP32] ? 4 : 2};
   const int64_t items_per_block = (M + ITEM_ROWS - 1) / ITEM_ROWS, items = p[A_B] * p[A_N] * items_per_block;
   Item *plan = malloc((size_t)(items > 0 ? items : 1) * sizeof(Item));
   int failed = plan == NULL;
@@ -271,9 +293,9 @@ int band_attention_dots(const uint16_t *q, const uint16_t *rows, const uint8_t *
     {
       /* (the weights padded by a tile of rows: the last tiles of rows write and read whole tiles; the values
        * by a vector: a last dims' vector reads one whole) */
-      Scratch scratch = {aligned_alloc(64, (size_t)(cols * D * 2)), aligned_alloc(64, (size_t)(cols * D + 16) * 4),
+      Scratch scratch = {aligned_alloc(64, (size_t)(cols * D * 4)), aligned_alloc(64, (size_t)(cols * D + 16) * 4),
                          aligned_alloc(64, (size_t)((ITEM_ROWS + LOGIT_ROWS) * cols * 4)),
-                         aligned_alloc(64, (ITEM_ROWS + LOGIT_ROWS) * 4), calloc((size_t)D / 2 + 1, 4), -1};
+                         aligned_alloc(64, (ITEM_ROWS + LOGIT_ROWS) * 4), calloc((size_t)D + 1, 4), -1};
       const int ready = scratch.strips && scratch.values && scratch.weights && scratch.denom && scratch.zeros;
       failed |= !ready;
 #pragma omp for schedule(static)

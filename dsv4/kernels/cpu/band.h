@@ -20,10 +20,6 @@ enum {
   A_COUNT
 };
 
-static inline __m512 bf16_to_fp32(__m256bh x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)x), 16));
-}
-
 /* Scales and masks a row's logits in [first, first + count) (columns `allowed` marks), -inf past them
  * up to `end`; returns the running peak. */
 static inline __m512 mask_logits(float *row, int64_t first, int64_t count, int64_t end, const uint8_t *allowed,

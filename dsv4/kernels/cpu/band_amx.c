@@ -55,6 +55,10 @@ static void pack_values(const uint16_t *rows, int64_t stride, int64_t first, int
   }
 }
 
+static inline __m512 bf16_to_fp32(__m256bh x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)x), 16));
+}
+
 typedef struct {
   const int64_t *p;
   const uint16_t *q;

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "band.h"
+#include "dots.h"
 
 enum { ITEM_ROWS = 64, LOGIT_ROWS = 8, STRIP = 16, VALUE_ROWS = 4 };
 
@@ -86,14 +87,11 @@ static void pack_block(const Shared *s, int64_t b, int64_t n, Scratch *scratch) 
       float *value = scratch->values + (c + i) * D;
       if (row == NULL) {
         memset(value, 0, (size_t)D * 4);
-      } else if (s->fp32) {
-        memcpy(value, row, (size_t)D * 4);
-      } else {
-        for (int64_t d = 0; d < D; d += 16) {
-          const __mmask16 lanes = first_lanes(D - d);
-          _mm512_mask_storeu_ps(value + d, lanes,
-                                bf16_to_fp32((__m256bh)_mm256_maskz_loadu_epi16(lanes, (const uint16_t *)row + d)));
-        }
+        continue;
+      }
+      for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 lanes = first_lanes(D - d);
+        _mm512_mask_storeu_ps(value + d, lanes, load_row(row, d, !s->fp32, lanes));
       }
     }
   }

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from dsv4.config import CSA, HCA, WINDOW, ModelConfig
 from dsv4.config.server_args import cpu_has_amx_bf16
@@ -37,7 +36,7 @@ from dsv4.kernels import rows as row_formats
 from dsv4.memory.pools import StatePools, put_rows, take_rows
 
 from .compressor import PagedCompressor
-from .ops import WEIGHT_FIRST_TOKENS, Rope, accumulation_dtype, as_bf16, linear, rms_norm, rotate_
+from .ops import Rope, accumulation_dtype, as_bf16, linear, rms_norm, rotate_
 from .plan import AttentionGroup, BatchPlan, CompressedRows
 from .selection import IndexerSelection, SelectionSink
 from .sharding import Reducer, ShardPlan
@@ -117,11 +116,11 @@ class PagedAttention:
         # Forwards of more tokens than this (None: none) multiply eagerly and norm and rotate their rows
         # with the C kernel (cpu_project.norm_rope) rather than in the compiled piece: a 512-token
         # chunk of `small`'s layer in bf16 3.1 ms against 4.2 (in fp32 16 against 28; at 32 tokens 0.7
-        # against 0.75, fp32 2.2 against 2.3). fp32 forwards of up to ops.WEIGHT_FIRST_TOKENS tokens keep
-        # their compiled piece, whose products read the weight first (dsv4/model/compile.py).
+        # against 0.75, fp32 2.2 against 2.3; fp32 decode steps of `small` at 16 / 32 requests, whose
+        # matmuls are oneDNN's, 18.4 / 27.0 ms against 22.5 / 35.2 with the compiled piece).
         self.norm_rope_past = None
         if on_cpu and dtype in (torch.bfloat16, torch.float32) and cpu_project.available():
-            self.norm_rope_past = WEIGHT_FIRST_TOKENS if dtype == torch.float32 else cpu_project.KERNEL_TOKENS
+            self.norm_rope_past = cpu_project.KERNEL_TOKENS
 
     def __call__(self, inputs: AttentionInputs, plan: BatchPlan, rope: Rope, on_selection: SelectionSink | None,
                  pieces: Pieces) -> torch.Tensor:
@@ -206,7 +205,7 @@ class PagedAttention:
         # first copies them group-major (two 256-token chunks of `small` in bf16 on a Zen 5: the exits
         # 18.6 -> 15.2 ms a forward)
         groups = out.flatten(1).to(self.wo_a.dtype).unflatten(-1, (self.wo_a.shape[0], -1)).unbind(1)
-        return linear(torch.cat([F.linear(rows, weight) for rows, weight in zip(groups, self.wo_a, strict=True)], -1),
+        return linear(torch.cat([linear(rows, weight) for rows, weight in zip(groups, self.wo_a, strict=True)], -1),
                       self.wo_b)
 
     def _attend_with_kernels(self, x: torch.Tensor, q: torch.Tensor, raw_rows: torch.Tensor, index_queries,

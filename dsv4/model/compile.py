@@ -62,10 +62,6 @@ when the entry was one piece with the mix):
   measured at every start; so far bf16 on a Xeon and a Zen 4, fp32 on the Zen 4): products summed
   over the output features spread over every thread (a c=1 bf16 decode step of `small` on the Xeon:
   17.0 -> 15.2..15.7 ms, the entries 5.5 -> 4.1 ms of it, the exits 2.3 -> 1.7);
-- in fp32 on the CPU, one for forwards of at most `ops.WEIGHT_FIRST_TOKENS` tokens (decode steps of
-  a few requests), whose products are `ops.weight_first_linear`'s (`_weight_first`): MKL's F.linear
-  reads an fp32 weight slowly for few rows (a decode step of `small` in process at 3 requests: 34..38
-  -> 16..20 ms; at 8: 45..60 -> 36..49 ms);
 - one for more tokens, whose query-sized passes (norms and RoPE over [tokens, heads, head_dim])
   pay for the fork (at 256 tokens of `small` in bf16 the entry took 4.2 ms against 5.9 on one
   thread, the exit 1.0 against 1.1).
@@ -219,10 +215,9 @@ def _decode_products(model: PagedModel, threads: int) -> bool:
     return products
 
 
-# Pieces with two or three packages (the module's docstring): the one named as the piece serves forwards
-# of at most DECODE_TOKENS tokens, with `ops.decode_linear`'s products where they pay (`_decode_products`);
-# `<name>_some`, where there is one (`_weight_first`), those of at most WEIGHT_FIRST_TOKENS with
-# `ops.weight_first_linear`'s; `<name>_many` the rest.
+# Pieces with two packages (the module's docstring): the one named as the piece serves forwards of at
+# most DECODE_TOKENS tokens, with `ops.decode_linear`'s products where they pay (`_decode_products`);
+# `<name>_many` the rest.
 _BY_TOKENS = ("project_inputs", "attention_exit")
 # Packages (by name prefix) whose fused kernels run on one thread
 _ONE_THREAD = ("mix", "compressor_feed", "index_queries", "moe_dispatch", "moe_combine")
@@ -265,12 +260,6 @@ def _bf16_twins(model: PagedModel) -> dict[int, tuple[torch.Tensor, torch.Tensor
     return twins
 
 
-def _weight_first(model: PagedModel) -> bool:
-    """Whether the attention's projections and exit get a package for forwards of a few tokens that multiplies
-    weight first (`ops.weight_first_linear`): for an fp32 model on the CPU."""
-    return model.dtype == torch.float32 and model.embed.device.type == "cpu"
-
-
 def _with_twins(args: tuple, twins: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple:
     """`args` with every weight that has a bf16 twin (`_bf16_twins`) replaced by it."""
     return tuple(twins[id(t)][1] if id(t) in twins else t for t in args)
@@ -305,8 +294,7 @@ def _assemble(eager: Pieces, compiled: dict[str, Callable], twins: dict[int, tup
         return route
 
     dispatch = by_route("moe_dispatch")
-    entry, exit_ = (by_tokens([(tier, compiled[tier]) for tier in (name, f"{name}_some") if tier in compiled],
-                              compiled[f"{name}_many"]) for name in _BY_TOKENS)
+    entry, exit_ = (by_tokens([(name, compiled[name])], compiled[f"{name}_many"]) for name in _BY_TOKENS)
     # (a model of window layers alone has no compressor to compile a feed for, nor index queries)
     return Pieces(mix=compiled.get("mix", eager.mix), project_inputs=entry, attend=eager.attend,
                   attend_decodes=attend_decodes,
@@ -333,18 +321,16 @@ class _Piece(torch.nn.Module):
 def _modules(cfg: ModelConfig, experts: range, decode_products: bool) -> dict[str, _Piece]:
     """Every package's module by name (`moe_few_*` and the `_BY_TOKENS` pieces' own names: forwards of
     few tokens, `_token_limit`, whose whole-weight products are `ops.decode_linear`'s with
-    `decode_products`; their `_some` packages multiply weight first)."""
+    `decode_products`)."""
     constants, dispatch = _constants(cfg), moe.dispatch_constants(cfg, experts)
     product = ops.decode_linear if decode_products else ops.linear
     return {
         "mix": _Piece(mhc.mix, **constants),
         "project_inputs": _Piece(attention.project_inputs, eps=cfg.rms_norm_eps, product=product),
-        "project_inputs_some": _Piece(attention.project_inputs, eps=cfg.rms_norm_eps, product=ops.weight_first_linear),
         "project_inputs_many": _Piece(attention.project_inputs, eps=cfg.rms_norm_eps),
         "attend_decodes": _Piece(attention.decode_sink_attention, scale=attention.softmax_scale(cfg)),
         "attend_decodes_compressed": _Piece(attention.decode_sink_attention, scale=attention.softmax_scale(cfg)),
         "attention_exit": _Piece(attention.attention_exit, product=product),
-        "attention_exit_some": _Piece(attention.attention_exit, product=ops.weight_first_linear),
         "attention_exit_many": _Piece(attention.attention_exit),
         "compressor_feed": _Piece(compressor.feed),
         "index_queries": _Piece(attention.index_queries, **_index_constants(cfg)),
@@ -418,8 +404,7 @@ def _examples(model: PagedModel, twins: dict[int, tuple[torch.Tensor, torch.Tens
     # A package's kernels index every input with the strides its example had, unchecked, and `piece`
     # passes contiguous tensors: an example laid out otherwise (a weight that is a view, as dsv4.tiny's
     # tid2eid is) compiles kernels that read the served tensor's elements from the wrong places.
-    tiers = ("_some", "_many") if _weight_first(model) else ("_many",)
-    examples.update({f"{name}{tier}": examples[name] for name in _BY_TOKENS for tier in tiers})
+    examples.update({f"{name}_many": examples[name] for name in _BY_TOKENS})
     examples = {name: _with_twins(tensors, twins) if _reads_twins(name) else tensors
                 for name, tensors in examples.items()}
     return {name: tuple(None if t is None else t.contiguous() for t in tensors) for name, tensors in examples.items()}
@@ -430,8 +415,6 @@ def _token_limit(name: str) -> int | None:
     """The most tokens the package serves (None: any number)."""
     if name.startswith("moe_few"):
         return ops.FEW_TOKENS
-    if name.endswith("_some"):
-        return ops.WEIGHT_FIRST_TOKENS
     return ops.DECODE_TOKENS if name in _BY_TOKENS else None
 
 

@@ -26,21 +26,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] times weight [out, in] (the checkpoint's layout), or grouped, x [..., G, in] times
     weight [G, out, in]; in the weight's dtype."""
     x = x.to(weight.dtype)
-    return F.linear(x, weight) if weight.dim() == 2 else torch.einsum("...gi,goi->...go", x, weight)
-
-
-def weight_first_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`linear` of rows x [T, in] taken weight first, (weight @ x^T)^T: the same sums, as a transposed
-    view. The compiled attention projections (`project_inputs`) and exit of fp32 forwards of a few
-    tokens on the CPU multiply this way (dsv4/model/compile.py, `_weight_first`): MKL's fp32 matmul with the weight as its
-    transposed operand, F.linear's, reads it slowly for few rows (Zen 4, 2 cores, a [8192, 256] weight
-    from memory, ms at 2 / 8 / 32 / 64 rows: 1.77 / 1.70 / 2.58 / 3.68 against 0.27 / 0.53 / 1.41 / 2.03
-    weight first), while at a prefill's hundreds of rows the transposed result costs its readers more
-    than it saves (`small`, a forward of two 256-token chunks and 30 decodes: 648..655 -> 690..722 ms).
-    The grouped form stays `linear`'s batched matmul, which was as fast."""
     if weight.dim() == 3:
-        return linear(x, weight)
-    return (weight @ x.to(weight.dtype).T).T
+        return torch.einsum("...gi,goi->...go", x, weight)
+    if onednn_serves(weight):
+        return onednn_linear(x, weight)
+    return F.linear(x, weight)
+
+
+# fp32 products on the CPU through oneDNN's matmul rather than F.linear's (MKL's): the same sums in
+# another order, at 2.1..2.8x the pace on a Zen 5 (2 threads, [512, K] x [K, N] at 440..520 GFLOP/s
+# against MKL's ~220, which runs its AVX2 code on AMD CPUs; 2 rows 1.5x)
+_ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_serves(weight: torch.Tensor) -> bool:
+    """Whether products with `weight` run as `onednn_linear`: fp32 weights on the CPU."""
+    return _ONEDNN_FP32 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+
+
+@torch.library.custom_op("dsv4::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) for fp32 CPU tensors, by oneDNN. An op of its own so that compiled pieces
+    call it as it is: inductor's lowering of oneDNN's linear expects weights it has packed itself."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [None], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 # Forwards of at most this many tokens (decode steps of up to four requests) run the compiled MoE that
@@ -49,10 +62,6 @@ FEW_TOKENS = 4
 # Forwards of at most this many tokens run the attention's compiled projections and exit with
 # `decode_linear`'s products; at four tokens bf16 matmuls were faster (see there; three were not measured).
 DECODE_TOKENS = 2
-# fp32 forwards of more tokens, up to this many, run the compiled projections and exit with
-# `weight_first_linear`'s products on the CPU (see there). `small`'s decode step in process, against F.linear's, at 4 / 16 / 30
-# requests: 18..22 / 61..66 / 74..90 ms against 36 / 73..80 / 71..91 (the gain is gone by 30).
-WEIGHT_FIRST_TOKENS = 32
 
 
 def as_bf16(*weights: torch.Tensor | None) -> tuple[torch.Tensor | None, ...] | None:

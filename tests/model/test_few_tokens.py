@@ -1,5 +1,5 @@
 """The decode steps' MoE (dsv4/model/compile.py, `moe_few`) against the general form, eagerly: `row_linear`
-(and the attention's `decode_linear` and `weight_first_linear`) against `linear`, and the MoE that reads
+(and the attention's `decode_linear`) against `linear`, and the MoE that reads
 each pick's expert in place (`moe.few`) against the sorted, grouped one (`moe.grouped`), on every
 tensor-parallel rank's share of the experts. (Compiled, it is checked through the whole model in
 test_compile.py, at TP=1.)"""
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from dsv4.model import moe
-from dsv4.model.ops import FEW_TOKENS, decode_linear, linear, row_linear, weight_first_linear
+from dsv4.model.ops import FEW_TOKENS, decode_linear, linear, row_linear
 
 HIDDEN, INTER, EXPERTS, TOP_K, LIMIT = 64, 32, 8, 2, 10.0
 
 
-@pytest.mark.parametrize("product", [row_linear, decode_linear, weight_first_linear])
+@pytest.mark.parametrize("product", [row_linear, decode_linear])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_products_are_linear(dtype, product):
     g = torch.Generator().manual_seed(0)

@@ -188,20 +188,21 @@ def compile_pieces(model: PagedModel, timeout: float, cache: Path, threads: int)
     return _assemble(eager, compiled, twins)
 
 
-# The decode packages multiply as `ops.decode_linear` where this machine's one-row F.linear takes at least
-# this many times as long as a sum over the same weights. On a Zen 4 (2 cores, `small`'s wq_b) it took
+# The decode packages multiply as `ops.decode_linear` where this machine's one-row `ops.linear` takes at
+# least this many times as long as a sum over the same weights. On a Zen 4 (2 cores, `small`'s wq_b) it took
 # 2.2x in bf16 and 2.9..5.2x in fp32, and the products took the c=1 fp32 decode step from 24.7 to
 # 13.1..14.1 ms; on a Xeon with AMX, bf16 F.linear took 1.8x the products' time and fp32 F.linear was
-# the faster (its lag against a sum was not measured there)
+# the faster (its lag against a sum was not measured there). (Those fp32 figures are MKL's: fp32
+# `ops.linear` is oneDNN's now: one row of a [512, 512] weight on a Zen 5 in 21 us against MKL's 14.)
 _PRODUCTS_LAG = 1.25
 
 
 def _decode_products(model: PagedModel, threads: int) -> bool:
     """Whether the decode packages (the projections', the exit's and the MoE's shared expert) multiply as
-    `ops.decode_linear` rather than with F.linear: on the CPU, where one-row F.linear over the layers'
-    query projections (wq_b) lags a sum over them by `_PRODUCTS_LAG` or more. Off the CPU, F.linear
+    `ops.decode_linear` rather than with `ops.linear`: on the CPU, where one-row `ops.linear` over the layers'
+    query projections (wq_b) lags a sum over them by `_PRODUCTS_LAG` or more. Off the CPU, `ops.linear`
     (the products were not measured there); and where the C kernels take every layer's decode steps
-    (dsv4/kernels/cpu_project.py, cpu_moe.py), which leave those packages unused, F.linear unmeasured:
+    (dsv4/kernels/cpu_project.py, cpu_moe.py), which leave those packages unused, `ops.linear` unmeasured:
     the measurement, noisy near the threshold, keys the packages, and a flip recompiled them (~2 min)."""
     if model.embed.device.type != "cpu":
         return False
@@ -210,8 +211,8 @@ def _decode_products(model: PagedModel, threads: int) -> bool:
         return False
     lag = ops.one_row_linear_lag([block.attn.wq_b for block in model.blocks], threads)
     products = lag >= _PRODUCTS_LAG
-    log.info("decode projections %s: one-row F.linear took %.2fx a sum over the same weights (%s threads)",
-             "as summed products (ops.decode_linear)" if products else "with F.linear", lag, threads)
+    log.info("decode projections %s: one-row ops.linear took %.2fx a sum over the same weights (%s threads)",
+             "as summed products (ops.decode_linear)" if products else "with ops.linear", lag, threads)
     return products
 
 

@@ -35,7 +35,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 # fp32 products on the CPU through oneDNN's matmul rather than F.linear's (MKL's): the same sums in
 # another order, at 2.1..2.8x the pace on a Zen 5 (2 threads, [512, K] x [K, N] at 440..520 GFLOP/s
-# against MKL's ~220, which runs its AVX2 code on AMD CPUs; 2 rows 1.5x)
+# against MKL's ~220, an AVX2 pace: MKL does not take its AVX512 code on AMD CPUs; 2 rows of a [3392, 512]
+# weight 1.5x; one row of [512, 512] 21 us against 14, the one case measured slower)
 _ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
@@ -114,7 +115,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def one_row_linear_lag(weights: list[torch.Tensor], threads: int) -> float:
-    """How many times as long F.linear of one row takes over `weights` as a sum over each of their rows,
+    """How many times as long `linear` of one row takes over `weights` as a sum over each of their rows,
     which reads them at the pace of `decode_linear`'s compiled products (a [4096, 1024] fp32 weight on a
     Zen 4: the products 626 us, ATen's sum 617); measured on the calling thread at `threads` threads,
     three passes each."""
@@ -131,7 +132,7 @@ def one_row_linear_lag(weights: list[torch.Tensor], threads: int) -> float:
                     product(weight)
             return time.perf_counter() - started
 
-        return seconds(lambda weight: F.linear(x, weight)) / seconds(lambda weight: weight.sum(-1))
+        return seconds(lambda weight: linear(x, weight)) / seconds(lambda weight: weight.sum(-1))
     finally:
         torch.set_num_threads(before)
 

@@ -190,10 +190,10 @@ def test_bf16_twins_only_where_every_weight_holds_bf16_values(model):
 
 
 def test_decode_products_follow_the_measured_lag_and_key_the_packages(model, monkeypatch):
-    """The decode packages multiply as `ops.decode_linear` exactly where one-row F.linear lags a sum by
+    """The decode packages multiply as `ops.decode_linear` exactly where one-row `ops.linear` lags a sum by
     `_PRODUCTS_LAG` or more, and the choice is part of the packages' key: a package compiled with one
     choice is never loaded for the other; where the C kernels take every decode step, the packages are
-    F.linear's, unmeasured (a noisy measurement must not key packages that serve nothing)."""
+    `ops.linear`'s, unmeasured (a noisy measurement must not key packages that serve nothing)."""
     cfg, weights = model
     args = ServerArgs(dtype="float32", page_size=PAGE, max_running_requests=2, max_total_tokens=4 * PAGE,
                       disable_compile=True)

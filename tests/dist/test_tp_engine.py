@@ -1,4 +1,5 @@
-"""TP=2 serves what TP=1 serves (gloo on 127.0.0.1; rank 0 in this process, rank 1 a child).
+"""TP=2 serves what TP=1 serves (gloo on 127.0.0.1, all-reduces through shared memory where the ranks
+share a node: dsv4/dist/shm_reduce.py; rank 0 in this process, rank 1 a child).
 
 32 prompts of 1-600 tokens run concurrently through a TP=1 and a TP=2 engine with a 97-token
 prefill budget (chunks end mid-window and mid-compression-group) and fewer slots than prompts.
@@ -9,11 +10,13 @@ EPS: a genuine tie, as in tests/engine/test_engine_reference.py. Seeded sampling
 
 import asyncio
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from dsv4.config import ModelConfig, ServerArgs
+from dsv4.dist import shm_reduce
 from dsv4.engine.engine import Engine
 from dsv4.protocol import GenerationRequest, SamplingParams
 from dsv4.reference.model import load_reference_model
@@ -40,6 +43,8 @@ async def serve_all(args, prompts, sampling):
     engine = Engine.from_args(args)
     await engine.start()
     try:
+        if args.tp_size > 1 and shm_reduce.supported():  # (the file is gone once the group has formed)
+            assert engine._group.shared_memory and not list(Path("/dev/shm").glob("dsv4-tp-*"))
         async with asyncio.timeout(TIMEOUT_S):
             async def one(i, prompt):
                 request = GenerationRequest(rid=f"r{i}", input_ids=tuple(prompt), sampling=sampling)

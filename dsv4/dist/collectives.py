@@ -73,15 +73,21 @@ class TpGroup:
                              f"({type(e).__name__}: {e})") from None
         group = cls(rank, size, ranks_per_node, timeout, device)
         shared = device.type == "cpu" and ranks_per_node == size > 1 and shm_reduce.supported()
-        path = shm_reduce.new_path() if shared and rank == 0 else None
+        path = shm_reduce.new_path() if shared and rank == 0 and shm_reduce.room_for(size) else None
         try:
             if shared:  # rank 0 creates the file before any rank is let in; each maps it before the group forms
-                if rank == 0:
-                    group._shm = shm_reduce.ShmReducer(path, rank, size, create=True)
-                    store.set("shm_reduce", path)
+                if rank == 0:  # ("": no room, gloo for every rank)
+                    if path is not None:
+                        group._shm = shm_reduce.ShmReducer(path, rank, size, create=True)
+                    store.set("shm_reduce", path or "")
                 else:
-                    path = store.get("shm_reduce").decode()
-                    group._shm = shm_reduce.ShmReducer(path, rank, size, create=False)
+                    try:
+                        shared_path = store.get("shm_reduce").decode()
+                        if shared_path:
+                            group._shm = shm_reduce.ShmReducer(shared_path, rank, size, create=False)
+                    except (RuntimeError, dist.DistError, OSError) as e:
+                        raise GroupError(f"rank {rank}: no shared-memory file from rank 0 at {addr} within "
+                                         f"{join_timeout:g} s ({type(e).__name__}: {e})") from None
             store.set(f"joined/{rank}", "1")
             if rank == 0:
                 group._await_ranks(store, addr, join_timeout)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -38,6 +39,16 @@ def supported() -> bool:
     return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and Path("/dev/shm").is_dir()
 
 
+def file_bytes(size: int) -> int:
+    return _HEADER_BYTES + 2 * size * SLOT_BYTES
+
+
+def room_for(size: int) -> bool:
+    """Whether /dev/shm has room for a group of `size` ranks' file: a tmpfs writes its pages as they are
+    first touched, and one past its limit (a container's 64 MB default) is a SIGBUS, not an error."""
+    return shutil.disk_usage("/dev/shm").free >= file_bytes(size)
+
+
 def new_path() -> str:
     return f"/dev/shm/dsv4-tp-{uuid.uuid4().hex}"
 
@@ -51,7 +62,7 @@ class ShmReducer:
 
     def __init__(self, path: str, rank: int, size: int, *, create: bool) -> None:
         self.rank, self.size, self.seq = rank, size, 0
-        length = _HEADER_BYTES + 2 * size * SLOT_BYTES
+        length = file_bytes(size)
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:

@@ -110,3 +110,11 @@ def test_what_it_does_not_serve():
     assert not shm_reduce.ShmReducer.serves(torch.zeros(shm_reduce.SLOT_BYTES // 4 + 1))  # gloo takes it
     assert not shm_reduce.ShmReducer.serves(torch.zeros(8, dtype=torch.float64))
     assert not shm_reduce.ShmReducer.serves(torch.zeros(8, device="meta"))
+
+
+def test_a_group_takes_shared_memory_only_where_its_file_fits(monkeypatch):
+    free = {"bytes": shm_reduce.file_bytes(2)}
+    monkeypatch.setattr(shm_reduce.shutil, "disk_usage", lambda path: type("Usage", (), {"free": free["bytes"]}))
+    assert shm_reduce.room_for(2) and not shm_reduce.room_for(3)  # (a full tmpfs would SIGBUS on first touch)
+    free["bytes"] -= 1
+    assert not shm_reduce.room_for(2)

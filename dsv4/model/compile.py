@@ -55,7 +55,7 @@ layer and batch size. The fused kernels of most pieces that serve every batch si
 package at two threads, the decode products then `row_linear`: a c=1 decode step of `small` took
 24.4 ms in bf16 and 33.8 in fp32, against 21.3 and 22.0 at one, the products matmuls); the matmuls
 inside follow the calling thread's count (every core, dsv4.engine.runner). The attention's projections
-and exit have two packages each, three in fp32 on the CPU, all on every thread (`_BY_TOKENS`; measured
+and exit have two packages each, both on every thread (`_BY_TOKENS`; measured
 when the entry was one piece with the mix):
 - one for forwards of at most `ops.DECODE_TOKENS` tokens, whose products are `ops.decode_linear`'s
   where this machine's one-row matmuls read weights slower than a sum does (`_decode_products`,

@@ -43,6 +43,7 @@ _SIGNATURES = {
     "decode_project": [_POINTER] * 11 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "decode_exit": [_POINTER] * 6 + [_PARAMS, ctypes.c_int],
     "norm_rope": [_POINTER] * 4 + [_PARAMS, ctypes.c_float, ctypes.c_int],
+    "decode_index_queries": [_POINTER] * 5 + [_PARAMS, ctypes.c_int],
     "compressor_feed": [_POINTER] * 11 + [_PARAMS],
     "amx_ready": [],
 }

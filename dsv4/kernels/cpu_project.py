@@ -4,7 +4,8 @@ as they are read): every weight read once where it lies against all of the token
 rotations done while the rows are in cache, rounded where the torch code rounds.
 - `project`: dsv4.model.attention.project_inputs;
 - `exit`: dsv4.model.attention.attention_exit;
-- `norm_rope`: for a prefill's tokens, the per-row norms and RoPE that follow project_inputs' products.
+- `norm_rope`: for a prefill's tokens, the per-row norms and RoPE that follow project_inputs' products;
+- `index_queries`: dsv4.model.attention.index_queries' queries.
 Their oracles are those functions (their tests run both against float64)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from .cpu_library import available, entry
 
-__all__ = ["KERNEL_TOKENS", "available", "exit", "norm_rope", "project"]
+__all__ = ["KERNEL_TOKENS", "available", "exit", "index_queries", "norm_rope", "project"]
 
 KERNEL_TOKENS = 8  # cpu/dots.h's BLOCK: the most rows that share each load of a weight
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -62,6 +63,23 @@ def exit(out: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, wo_a: torch.
     _run("decode_exit", inputs, (result,), (tokens, heads, dim, groups, o_rank, hidden, rope,
                                             out.dtype == torch.float32), None)
     return result
+
+
+def index_queries(qr: torch.Tensor, wq_b: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, *,
+                  head_dim: int) -> torch.Tensor:
+    """The indexer's queries of `index_queries`: qr [T, q_lora_rank] (fp32 or bf16, T <= KERNEL_TOKENS)
+    times wq_b [heads * head_dim, q_lora_rank] bf16, each head's last R dims rotated by the RoPE tables
+    cos2, sin2 [T, R] fp32 -> [T, heads, head_dim] in qr's dtype."""
+    tokens, q_rank = qr.shape
+    _check("index_queries", qr, [wq_b], [cos2, sin2], cos2.shape[-1], head_dim)
+    if wq_b.dim() != 2 or wq_b.shape[1] != q_rank or wq_b.shape[0] % head_dim:
+        raise RuntimeError(f"cpu index_queries: wq_b {tuple(wq_b.shape)} does not fit qr {tuple(qr.shape)} and "
+                           f"head_dim {head_dim}")
+    heads = wq_b.shape[0] // head_dim
+    q = qr.new_empty(tokens, heads, head_dim)
+    params = (tokens, q_rank, heads, head_dim, cos2.shape[-1], qr.dtype == torch.float32)
+    _run("decode_index_queries", [t.contiguous() for t in (qr, wq_b, cos2, sin2)], (q,), params, None)
+    return q
 
 
 def norm_rope(rows: torch.Tensor, weight: torch.Tensor | None, cos2: torch.Tensor, sin2: torch.Tensor, *,

@@ -113,6 +113,12 @@ class PagedAttention:
         # that read these (bf16, or bf16 copies of fp32 ones): w_input, wq_b, wo_a, wo_b (None: torch's)
         self.kernel_weights = (as_bf16(self.input_weights[0], self.wq_b, self.wo_a, self.wo_b)
                                if on_cpu and cpu_project.available() else None)
+        # The indexer's queries of those decode steps likewise (an fp32 model's wq_b read from its bf16
+        # copy: the indexer runs where contexts are long, and its queries' weight in fp32 was a third of
+        # the bytes such a step read; `small` at a 3000-token context, 304 us a CSA layer compiled)
+        self.index_kernel_weight = None
+        if kind == CSA and on_cpu and cpu_project.available():
+            self.index_kernel_weight = (as_bf16(self.index_wq_b) or (None,))[0]
         # Forwards of more tokens than this (None: none) multiply eagerly and norm and rotate their rows
         # with the C kernel (cpu_project.norm_rope) rather than in the compiled piece: a 512-token
         # chunk of `small`'s layer in bf16 3.1 ms against 4.2 (in fp32 16 against 28; at 32 tokens 0.7
@@ -150,7 +156,7 @@ class PagedAttention:
                                               feed_rows=pieces.compressor_feed)
                 pools.record_index_keys(self.layer, compress.window_pages, compress.window_page_rows)
                 if self.kernels or on_selection is not None or self._selection_needed(plan):
-                    index_queries = pieces.index_queries(qr, head_weights, self.index_wq_b, rope.cos2, rope.sin2)
+                    index_queries = self._index_queries(qr, head_weights, rope, pieces)
 
         if self.kernels:
             out = self._attend_with_kernels(x, q, raw_rows, index_queries, plan, on_selection)
@@ -172,6 +178,16 @@ class PagedAttention:
 
         out = self._exit(out, rope, pieces)
         return out if self.reduce is None else self.reduce.all_reduce_sum(out, "attn.out")  # this rank's groups' share
+
+    def _index_queries(self, qr: torch.Tensor, head_weights: torch.Tensor, rope: Rope,
+                       pieces: Pieces) -> tuple[torch.Tensor, torch.Tensor]:
+        """`index_queries`: the C kernel for the few tokens of a decode step where it serves, else
+        `pieces.index_queries`."""
+        if self.index_kernel_weight is None or qr.shape[0] > cpu_project.KERNEL_TOKENS:
+            return pieces.index_queries(qr, head_weights, self.index_wq_b, rope.cos2, rope.sin2)
+        cfg = self.cfg
+        q = cpu_project.index_queries(qr, self.index_kernel_weight, rope.cos2, rope.sin2, head_dim=cfg.index_head_dim)
+        return q, head_weights.to(accumulation_dtype(head_weights.dtype)) * index_scale(cfg)
 
     def project(self, x: torch.Tensor, rope: Rope, pieces: Pieces) -> AttentionInputs:
         """`project_inputs` of the layer input x [T, hidden] at the batch's positions (`rope`): the C
@@ -449,6 +465,11 @@ def _token_picks(group_picks: list[torch.Tensor], topk: int) -> torch.Tensor:
 def softmax_scale(cfg: ModelConfig) -> float:
     """The attention logits' scale."""
     return cfg.head_dim**-0.5
+
+
+def index_scale(cfg: ModelConfig) -> float:
+    """The indexer's head weights' scale (`index_queries`)."""
+    return cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
 
 
 def banded_sink_attention(q: torch.Tensor, raw: torch.Tensor, raw_allowed: torch.Tensor, sink: torch.Tensor,

@@ -500,7 +500,7 @@ def _constants(cfg: ModelConfig) -> dict:
 
 
 def _index_constants(cfg: ModelConfig) -> dict:
-    return {"head_dim": cfg.index_head_dim, "scale": cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5}
+    return {"head_dim": cfg.index_head_dim, "scale": attention.index_scale(cfg)}
 
 
 def _key(cfg: ModelConfig, experts: range, examples: dict[str, tuple[torch.Tensor, ...]], decode_products: bool) -> str:

@@ -115,3 +115,27 @@ def test_refuses_what_it_cannot_compute():
     many = cpu_project.KERNEL_TOKENS + 1
     with pytest.raises(RuntimeError, match="at most"):
         cpu_project.exit(torch.randn(many, 4, 64), *tables(many, 8, g), wo_a, wo_b)
+    qr, wq_b = torch.randn(2, 32, generator=g), torch.randn(4 * 16, 32, generator=g).bfloat16()
+    with pytest.raises(RuntimeError, match="does not fit"):
+        cpu_project.index_queries(qr, wq_b[:, :16], cos2, sin2, head_dim=16)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        cpu_project.index_queries(qr, wq_b, cos2, sin2, head_dim=24)
+    with pytest.raises(RuntimeError, match="at most"):
+        cpu_project.index_queries(torch.randn(many, 32), wq_b, *tables(many, 8, g), head_dim=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,q_rank,heads,dim,rope", [(1, 256, 64, 128, 64), (3, 40, 3, 48, 16),
+                                                          (cpu_project.KERNEL_TOKENS, 72, 5, 32, 8)])
+def test_index_queries_match_index_queries(tokens, q_rank, heads, dim, rope, dtype):
+    """The indexer's queries (small's shapes first; others off the kernels' lanes) against
+    dsv4.model.attention.index_queries and float64; its head weights stay torch's."""
+    g = torch.Generator().manual_seed(tokens + q_rank)
+    wq_b = (torch.randn(heads * dim, q_rank, generator=g) * q_rank**-0.5).bfloat16()
+    qr = torch.randn(tokens, q_rank, generator=g).to(dtype)
+    cos2, sin2 = tables(tokens, rope, g)
+    weights = torch.zeros(tokens, heads)
+    got = cpu_project.index_queries(qr, wq_b, cos2, sin2, head_dim=dim)
+    want, _ = attention.index_queries(qr, weights, wq_b.to(dtype), cos2, sin2, head_dim=dim, scale=1.0)
+    exact, _ = attention.index_queries(*(t.double() for t in (qr, weights, wq_b, cos2, sin2)), head_dim=dim, scale=1.0)
+    assert_close(got, want, exact, dtype, "index queries")

@@ -10,6 +10,8 @@
  * place), its grouped low-rank projection (wo_a) and wo_b.
  * norm_rope: for the rows of a prefill's tokens, after (or before) torch's products, the same norms and
  * RoPE (or the exit's inverse RoPE) in place.
+ * decode_index_queries: dsv4.model.attention.index_queries' queries. The low-rank query times the
+ * indexer's wq_b, each head's RoPE.
  *
  * Each phase's rows are split over torch's OpenMP team (see attention.c), a barrier between phases. */
 
@@ -29,6 +31,8 @@ enum { X_TOKENS, X_HEADS, X_DIM, X_GROUPS, X_O_RANK, X_HIDDEN, X_ROPE, X_FP32, X
 /* norm_rope's p[]: tokens, rows per token, their dims, RoPE dims, fp32, whether to norm them (else only
  * rotate), whether to rotate backwards */
 enum { N_TOKENS, N_HEADS, N_DIM, N_ROPE, N_FP32, N_NORM, N_INVERSE, N_COUNT };
+/* decode_index_queries' p[]: tokens, q_lora_rank, the indexer's heads, its head_dim, RoPE dims, fp32 */
+enum { I_TOKENS, I_Q_RANK, I_HEADS, I_DIM, I_ROPE, I_FP32, I_COUNT };
 
 /* v rounded into the model's dtype and stored at base[i] */
 static inline void store_at(void *base, int64_t i, int fp32, float v) {
@@ -165,5 +169,24 @@ int decode_exit(void *out, const float *cos2, const float *sin2, const uint16_t 
     products(wo_b, 1, hidden, groups * o_rank, low, tokens, groups * o_rank, fp32, result);
   }
   free(low);
+  return 0;
+}
+
+/* qr [T, q_rank], wq_b [heads * dim, q_rank], cos2 and sin2 [T, rope] -> q [T, heads, dim]: each head's
+ * product rounded into the model's dtype, then its last `rope` dims rotated (no norm) */
+int decode_index_queries(const void *qr, const uint16_t *wq_b, const float *cos2, const float *sin2, void *q,
+                         const int64_t *p, int threads) {
+  const int64_t tokens = p[I_TOKENS], q_rank = p[I_Q_RANK], heads = p[I_HEADS], dim = p[I_DIM], rope = p[I_ROPE];
+  const int fp32 = (int)p[I_FP32];
+  const int64_t size = fp32 ? 4 : 2;
+  if (tokens > BLOCK) return 2;
+#pragma omp parallel num_threads(threads)
+  {
+    products(wq_b, 1, heads * dim, q_rank, qr, tokens, q_rank, fp32, q);
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < tokens * heads; item++)
+      norm_and_rotate((char *)q + item * dim * size, dim, fp32, 0, NULL, 0.0f, cos2 + item / heads * rope,
+                      sin2 + item / heads * rope, rope, 0);
+  }
   return 0;
 }

@@ -53,10 +53,12 @@ class PagedModel:
         self.embed, self.head, self.norm = w("embed.weight"), w("head.weight"), w("norm.weight")
         self.hc_head_weights = (w("hc_head_fn"), w("hc_head_base"), w("hc_head_scale"))
         self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce) for i in range(cfg.num_layers)]
-        for kind, owners in (("projections", [block.attn for block in self.blocks]),
-                             ("experts", [block.ffn for block in self.blocks])):
-            copies = [w for owner in owners if owner.kernel_weights is not None
-                      for w in owner.kernel_weights if w is not None and w.dtype != dtype]
+        kernels_read = {"projections": [w for block in self.blocks if block.attn.kernel_weights is not None
+                                        for w in (*block.attn.kernel_weights, block.attn.index_kernel_weight)],
+                        "experts": [w for block in self.blocks if block.ffn.kernel_weights is not None
+                                    for w in block.ffn.kernel_weights]}
+        for kind, weights_read in kernels_read.items():
+            copies = [w for w in weights_read if w is not None and w.dtype != dtype]
             if copies:
                 log.info("%s (%.0f MB more memory): every one holds bf16 values", KERNEL_COPIES_LOGGED[kind],
                          sum(w.numel() * w.element_size() for w in copies) / 1e6)

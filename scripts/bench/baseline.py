@@ -115,7 +115,8 @@ def decode_weight_bytes(model_dir: Path, dtype: str, context: int, bf16_copies: 
     except the indexer's query projection `indexer.wq_b` where no query sees more compressed rows
     than the indexer keeps (contexts of at most index_topk * ratio + ratio - 1 tokens): dsv4 then
     skips the indexer (dsv4.model.attention.PagedAttention._selection_needed), and the floor is what
-    it reads. The KV cache the step reads (window, compressed rows, index keys) is state, not weights,
+    it reads. (Where the indexer runs, an fp32 server whose projection kernels read bf16 copies reads
+    `indexer.wq_b` from its copy too, which this counts in fp32: no suite context is that long.) The KV cache the step reads (window, compressed rows, index keys) is state, not weights,
     and is left out: at a 256-token context it is small next to the weights.
     """
     cfg = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))

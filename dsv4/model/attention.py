@@ -114,7 +114,7 @@ class PagedAttention:
         self.kernel_weights = (as_bf16(self.input_weights[0], self.wq_b, self.wo_a, self.wo_b)
                                if on_cpu and cpu_project.available() else None)
         # The indexer's queries of those decode steps likewise (an fp32 model's wq_b read from its bf16
-        # copy: the indexer runs where contexts are long, and its queries' weight in fp32 was a third of
+        # copy: the indexer runs where contexts are long, and its queries' weight in fp32 was a fifth of
         # the bytes such a step read; `small` at a 3000-token context, 304 us a CSA layer compiled)
         self.index_kernel_weight = None
         if kind == CSA and on_cpu and cpu_project.available():

@@ -116,9 +116,8 @@ class PagedAttention:
         # The indexer's queries of those decode steps likewise (an fp32 model's wq_b read from its bf16
         # copy: the indexer runs where contexts are long, and its queries' weight in fp32 was a fifth of
         # the bytes such a step read; `small` at a 3000-token context, 304 us a CSA layer compiled)
-        self.index_kernel_weight = None
-        if kind == CSA and on_cpu and cpu_project.available():
-            self.index_kernel_weight = (as_bf16(self.index_wq_b) or (None,))[0]
+        copies = as_bf16(self.index_wq_b) if kind == CSA and on_cpu and cpu_project.available() else None
+        self.index_kernel_weight = None if copies is None else copies[0]
         # Forwards of more tokens than this (None: none) multiply eagerly and norm and rotate their rows
         # with the C kernel (cpu_project.norm_rope) rather than in the compiled piece: a 512-token
         # chunk of `small`'s layer in bf16 3.1 ms against 4.2 (in fp32 16 against 28; at 32 tokens 0.7

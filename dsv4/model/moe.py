@@ -216,16 +216,12 @@ def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> tor
     """x [P, in] rows ends[g-1]..ends[g] times w[g] [out, in] -> [P, out]; rows past ends[-1] unset."""
     # (the transposed view, measured against an [in, out] copy at 64 and 512 rows: as fast in fp32,
     # up to ~15% slower in bf16; a 256-token prefill of `small` took the same time either way)
-    onednn = ops.onednn_serves(w)
-    if x.dtype in _GROUPED_MM_DTYPES and not onednn:
+    if x.dtype in _GROUPED_MM_DTYPES and not ops.onednn_serves(w):
         return F.grouped_mm(x, w.mT, offs=ends)
-    # One matmul per group: float64 (the oracle tests' dtype), and fp32 on the CPU through oneDNN (the
-    # ends are on the host, no sync), ~2.3x grouped_mm's pace there (a Zen 5, 3072 picks over 8 experts
-    # of `small`: 3.8 against 9.0 ms, and 2.0 against 3.7)
+    # One `linear` per group: float64 (the oracle tests' dtype), and fp32 on the CPU, whose `linear` is
+    # oneDNN's (the ends are on the host, no sync), ~2.3x grouped_mm's pace there (a Zen 5, 3072 picks
+    # over 8 experts of `small`: 3.8 against 9.0 ms, and 2.0 against 3.7)
     out = x.new_empty(x.shape[0], w.shape[-2])
     for g, (start, end) in enumerate(itertools.pairwise([0, *ends.tolist()])):
-        if onednn:
-            out[start:end] = ops.onednn_linear(x[start:end], w[g])
-        else:
-            torch.mm(x[start:end], w[g].T, out=out[start:end])
+        out[start:end] = linear(x[start:end], w[g])
     return out

@@ -75,19 +75,8 @@ class TpGroup:
         shared = device.type == "cpu" and ranks_per_node == size > 1 and shm_reduce.supported()
         path = shm_reduce.new_path() if shared and rank == 0 and shm_reduce.room_for(size) else None
         try:
-            if shared:  # rank 0 creates the file before any rank is let in; each maps it before the group forms
-                if rank == 0:  # ("": no room, gloo for every rank)
-                    if path is not None:
-                        group._shm = shm_reduce.ShmReducer(path, rank, size, create=True)
-                    store.set("shm_reduce", path or "")
-                else:
-                    try:
-                        shared_path = store.get("shm_reduce").decode()
-                        if shared_path:
-                            group._shm = shm_reduce.ShmReducer(shared_path, rank, size, create=False)
-                    except (RuntimeError, dist.DistError, OSError) as e:
-                        raise GroupError(f"rank {rank}: no shared-memory file from rank 0 at {addr} within "
-                                         f"{join_timeout:g} s ({type(e).__name__}: {e})") from None
+            if shared:  # before any rank is let in: each maps the file before the group forms
+                group._map_shared_memory(store, path, addr, join_timeout)
             store.set(f"joined/{rank}", "1")
             if rank == 0:
                 group._await_ranks(store, addr, join_timeout)
@@ -101,6 +90,22 @@ class TpGroup:
             if rank == 0 and path is not None:  # every rank has it mapped, or never will: nothing left behind
                 Path(path).unlink(missing_ok=True)
         return group
+
+    def _map_shared_memory(self, store, path: str | None, addr: str, join_timeout: float) -> None:
+        """Rank 0 creates the node's shared-memory file at `path` (None: no room, every rank keeps gloo's
+        all-reduce) and names it in the store; every other rank maps the file rank 0 names."""
+        if self.rank == 0:
+            if path is not None:
+                self._shm = shm_reduce.ShmReducer(path, 0, self.size, create=True)
+            store.set("shm_reduce", path or "")
+            return
+        try:
+            shared_path = store.get("shm_reduce").decode()
+            if shared_path:
+                self._shm = shm_reduce.ShmReducer(shared_path, self.rank, self.size, create=False)
+        except (RuntimeError, dist.DistError, OSError) as e:
+            raise GroupError(f"rank {self.rank}: no shared-memory file from rank 0 at {addr} within "
+                             f"{join_timeout:g} s ({type(e).__name__}: {e})") from None
 
     def _await_ranks(self, store, addr: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -119,8 +119,53 @@ def decode_attention(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
     (K = V). Rows not seen are never read, whatever they hold."""
     batch, heads, dim = q.shape
     count = 0 if compressed_pool is None else pages.shape[1]
+    indices = (slots, at, pages, page_rows) if count else (slots, at)
+    masks = (exists, allowed) if count else ()
+    if not _decode_ready(q, window, compressed_pool if count else None, indices, masks, sink, count):
+        q, sink, indices, masks = _decode_inputs(q, window, slots, at, compressed_pool, pages, page_rows, exists,
+                                                  allowed, sink)
+    out = torch.empty_like(q)
+    params = (batch, heads, dim, window.shape[1], count, int(q.dtype == torch.float32), window.stride(0), window.stride(1),
+              *((compressed_pool.stride(0), compressed_pool.stride(1)) if count else (0, 0)))
+    pointers = (compressed_pool.data_ptr(), *(t.data_ptr() for t in indices[2:] + masks)) if count else (None,) * 5
+    status = entry("decode_attention")(
+        q.data_ptr(), window.data_ptr(), indices[0].data_ptr(), indices[1].data_ptr(), sink.data_ptr(), *pointers,
+        out.data_ptr(), (ctypes.c_int64 * len(params))(*params), scale, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("decode_attention: the kernel could not allocate its scratch memory")
+    return out
+
+
+def _decode_ready(q: torch.Tensor, window: torch.Tensor, compressed_pool: torch.Tensor | None, indices: tuple,
+                  masks: tuple, sink: torch.Tensor, count: int) -> bool:
+    """Whether `decode_attention`'s inputs are as its kernel reads them (`count` compressed rows a token),
+    so that they pass as they are: attribute reads, where `_decode_inputs`' checks and conversions
+    took ~15 us of each call in a c=1 decode step (the model passes them so)."""
+    batch, heads, dim = q.shape
+    row_bytes = dim * q.element_size()
+    shapes = ((batch,), (batch,), (batch, count), (batch, count))
+    return (q.is_cpu and q.dtype in _DECODE_DTYPES and q.is_contiguous() and not dim % 2 and sink.shape == (heads,)
+            and sink.dtype == torch.float32 and sink.is_contiguous()
+            and all(pool.dtype == torch.uint8 and pool.dim() == 3 and pool.shape[2] == row_bytes and pool.stride(2) == 1
+                    for pool in ((window,) if compressed_pool is None else (window, compressed_pool)))
+            and all(t.dtype == torch.int64 and t.is_contiguous() and t.shape == shape for t, shape in zip(indices, shapes))
+            and all(t.dtype == torch.bool and t.is_contiguous() and t.shape == (batch, count) for t in masks))
+
+
+_DECODE_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _decode_inputs(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor, at: torch.Tensor,
+                   compressed_pool: torch.Tensor | None,
+                   pages: torch.Tensor | None, page_rows: torch.Tensor | None, exists: torch.Tensor | None,
+                   allowed: torch.Tensor | None, sink: torch.Tensor) -> tuple:
+    """`decode_attention`'s inputs checked (a named error for what its kernel cannot read) and converted
+    as it reads them: q, sink, the index tensors (slots, at[, pages, page_rows]) int64 and the masks
+    (exists, allowed) bool, contiguous."""
+    batch, heads, dim = q.shape
+    count = 0 if compressed_pool is None else pages.shape[1]
     problems = []
-    if q.dtype not in (torch.bfloat16, torch.float32) or q.device.type != "cpu" or dim % 2:
+    if q.dtype not in _DECODE_DTYPES or q.device.type != "cpu" or dim % 2:
         problems.append(f"q must be bf16 or fp32 [B, H, D] on the CPU, D even (got {q.dtype} {tuple(q.shape)} on "
                         f"{q.device})")
     pools = [window] + ([compressed_pool] if count else [])
@@ -134,20 +179,6 @@ def decode_attention(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
         problems.append("pages, page_rows, exists and allowed must all be [B, C]")
     if problems:
         raise RuntimeError("decode_attention: " + "; ".join(problems))
-    q, sink = q.contiguous(), sink.float().contiguous()
-    slots, at = (t.to(torch.int64).contiguous() for t in (slots, at))
-    comp = ()
-    if count:
-        pages, page_rows = (t.to(torch.int64).contiguous() for t in (pages, page_rows))
-        exists, allowed = (t.to(torch.bool).contiguous().view(torch.uint8) for t in (exists, allowed))
-        comp = (compressed_pool, pages, page_rows, exists, allowed)
-    out = torch.empty_like(q)
-    params = (batch, heads, dim, window.shape[1], count, int(q.dtype == torch.float32), window.stride(0), window.stride(1),
-              *((compressed_pool.stride(0), compressed_pool.stride(1)) if count else (0, 0)))
-    pointers = [t.data_ptr() for t in comp] if count else [None] * 5
-    status = entry("decode_attention")(
-        q.data_ptr(), window.data_ptr(), slots.data_ptr(), at.data_ptr(), sink.data_ptr(), *pointers, out.data_ptr(),
-        (ctypes.c_int64 * len(params))(*params), scale, torch.get_num_threads())
-    if status != 0:
-        raise MemoryError("decode_attention: the kernel could not allocate its scratch memory")
-    return out
+    indices = [t.to(torch.int64).contiguous() for t in ((slots, at, pages, page_rows) if count else (slots, at))]
+    masks = tuple(t.to(torch.bool).contiguous() for t in (exists, allowed)) if count else ()
+    return q.contiguous(), sink.float().contiguous(), tuple(indices), masks

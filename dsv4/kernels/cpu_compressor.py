@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-from .cpu_library import available, entry
+from .cpu_library import as_read, available, entry
 
 __all__ = ["available", "feed", "serves"]
 
@@ -46,9 +46,9 @@ def feed(projected: torch.Tensor, positions: torch.Tensor, ape: torch.Tensor, st
         problems.append("the plan's state and update indices do not fit one another")
     if problems:
         raise RuntimeError("cpu compressor feed: " + "; ".join(problems))
-    indices = [t.to(torch.int64).contiguous() for t in (positions, state_slots, state_rows, window_sources,
+    indices = [as_read(t, torch.int64) for t in (positions, state_slots, state_rows, window_sources,
                                                         update_slots, update_rows, update_sources)]
-    ape = ape.contiguous()  # (held: a copy's memory must outlive the call)
+    ape = as_read(ape)  # (held: a copy's memory must outlive the call)
     out = torch.empty(windows, span, 2 * width)
     params = (tokens, width, ratio, *projected.stride(), projected.dtype == torch.float32, state.stride(0),
               state.stride(1), state_slots.shape[0], windows, span, update_slots.shape[0])

@@ -18,6 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import torch
+
 from dsv4.config import cache_dir
 from dsv4.config.server_args import cpu_has_avx512_bf16
 
@@ -47,6 +49,15 @@ _SIGNATURES = {
     "compressor_feed": [_POINTER] * 11 + [_PARAMS],
     "amx_ready": [],
 }
+
+
+def as_read(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`tensor` contiguous (and of `dtype`) as a kernel reads it: itself where it already is. Two attribute
+    reads, where `.to(dtype).contiguous()` dispatches two ops even when they change nothing (the C
+    kernels' wrappers make ~50 such conversions in a decode step)."""
+    if (dtype is None or tensor.dtype == dtype) and tensor.is_contiguous():
+        return tensor
+    return (tensor if dtype is None else tensor.to(dtype)).contiguous()
 
 
 def available() -> bool:

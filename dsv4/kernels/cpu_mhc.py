@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-from .cpu_library import available, entry
+from .cpu_library import as_read, available, entry
 
 __all__ = ["MAX_STREAMS", "available", "mix", "serves"]
 
@@ -47,7 +47,7 @@ def mix(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: t
         problems.append(f"at most {MAX_STREAMS} streams (got {n})")
     if problems:
         raise RuntimeError("mhc mix: " + "; ".join(problems))
-    inputs = [t.contiguous() for t in (streams, output, post, comb, fn, base, scale, norm)]
+    inputs = [as_read(t) for t in (streams, output, post, comb, fn, base, scale, norm)]
     outputs = (torch.empty_like(inputs[0]), torch.empty_like(inputs[1]), torch.empty_like(inputs[2]),
                torch.empty_like(inputs[3]))
     params = (tokens, n, hidden, sinkhorn_iters, streams.dtype == torch.bfloat16)

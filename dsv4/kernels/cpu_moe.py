@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from .cpu_library import available, entry
+from .cpu_library import as_read, available, entry
 
 __all__ = ["KERNEL_TOKENS", "available", "moe_blocks", "moe_few", "route", "routed"]
 
@@ -84,7 +84,7 @@ def _route_inputs(x, token_ids, gate, route, first_expert, local_experts, top_k,
         raise RuntimeError("cpu route: " + "; ".join(problems))
     params = (count, hidden, experts, top_k, first_expert, local_experts, x.dtype == torch.float32, hashed,
               _SCORE_FUNCTIONS.index(scoring_func), norm_topk_prob, group_rows)
-    inputs = (x.contiguous(), gate.contiguous(), route.contiguous(), token_ids.to(torch.int64).contiguous())
+    inputs = (as_read(x), as_read(gate), as_read(route), as_read(token_ids, torch.int64))
     return inputs, (ctypes.c_int64 * len(params))(*params)
 
 
@@ -122,9 +122,8 @@ def _moe(name: str, x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor,
     if places.shape != (picks,) or scale.shape != (picks, 1) or keep.shape != (picks, 1) or ends.shape != (experts,):
         raise RuntimeError(f"{name}: places [P], scale [P, 1], keep [P, 1] and ends [E] must fit the picks and the "
                            f"experts")
-    tokens, places = (t.to(torch.int64).contiguous() for t in (tokens, places))
-    ends, scale = ends.to(torch.int32).contiguous(), scale.to(torch.float32).contiguous()
-    keep = keep.to(torch.bool).contiguous().view(torch.uint8)
+    tokens, places = as_read(tokens, torch.int64), as_read(places, torch.int64)
+    ends, scale, keep = as_read(ends, torch.int32), as_read(scale, torch.float32), as_read(keep, torch.bool)
     out = x.new_empty(x.shape, dtype=torch.float32)
     status = entry(name)(x.data_ptr(), *_pointers(weights), tokens.data_ptr(), places.data_ptr(), ends.data_ptr(),
                          keep.data_ptr(), scale.data_ptr(), out.data_ptr(), params, swiglu_limit,
@@ -153,9 +152,9 @@ def _moe_inputs(name: str, x: torch.Tensor, picks: int, w13: torch.Tensor, w2: t
         problems.append(f"shared_w13 {tuple(shared_w13.shape)} and shared_w2 {tuple(shared_w2.shape)} do not fit")
     if problems:
         raise RuntimeError(f"{name}: " + "; ".join(problems))
-    weights = [t.contiguous() for t in weights] + ([] if shared else [None, None])
+    weights = [as_read(t) for t in weights] + ([] if shared else [None, None])
     params = (count, picks, experts, hidden, inter, shared, x.dtype == torch.float32)
-    return x.contiguous(), weights, (ctypes.c_int64 * len(params))(*params)
+    return as_read(x), weights, (ctypes.c_int64 * len(params))(*params)
 
 
 def _pointers(tensors) -> list[int | None]:

@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from .cpu_library import available, entry
+from .cpu_library import as_read, available, entry
 
 __all__ = ["KERNEL_TOKENS", "available", "exit", "index_queries", "norm_rope", "project"]
 
@@ -35,7 +35,7 @@ def project(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor, wq_b: 
     if w_input.shape != (width, hidden) or wq_b.shape != (heads * dim, q_rank) or width < q_rank + dim:
         raise RuntimeError(f"cpu project: w_input {tuple(w_input.shape)} and wq_b {tuple(wq_b.shape)} do not fit "
                            f"x {tuple(x.shape)}, q_norm {tuple(q_norm.shape)} and kv_norm {tuple(kv_norm.shape)}")
-    inputs = [t.contiguous() for t in (x, w_input, q_norm, wq_b, kv_norm, cos2, sin2)]
+    inputs = [as_read(t) for t in (x, w_input, q_norm, wq_b, kv_norm, cos2, sin2)]
     q, kv = x.new_empty(tokens, heads, dim), x.new_empty(tokens, dim)
     qr, projected = x.new_empty(tokens, q_rank), x.new_empty(tokens, width)
     params = (tokens, hidden, width, q_rank, dim, heads, rope, x.dtype == torch.float32)
@@ -58,7 +58,7 @@ def exit(out: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, wo_a: torch.
                            f"out {tuple(out.shape)}")
     if not out.is_contiguous():
         raise RuntimeError("cpu exit: out must be contiguous (it is rotated back in place)")
-    inputs = [out, *(t.contiguous() for t in (cos2, sin2, wo_a, wo_b))]
+    inputs = [out, *(as_read(t) for t in (cos2, sin2, wo_a, wo_b))]
     result = out.new_empty(tokens, hidden)
     _run("decode_exit", inputs, (result,), (tokens, heads, dim, groups, o_rank, hidden, rope,
                                             out.dtype == torch.float32), None)
@@ -78,7 +78,7 @@ def index_queries(qr: torch.Tensor, wq_b: torch.Tensor, cos2: torch.Tensor, sin2
     heads = wq_b.shape[0] // head_dim
     q = qr.new_empty(tokens, heads, head_dim)
     params = (tokens, q_rank, heads, head_dim, cos2.shape[-1], qr.dtype == torch.float32)
-    _run("decode_index_queries", [t.contiguous() for t in (qr, wq_b, cos2, sin2)], (q,), params, None)
+    _run("decode_index_queries", [as_read(t) for t in (qr, wq_b, cos2, sin2)], (q,), params, None)
     return q
 
 
@@ -96,7 +96,7 @@ def norm_rope(rows: torch.Tensor, weight: torch.Tensor | None, cos2: torch.Tenso
         raise RuntimeError(f"cpu norm_rope: rows {tuple(rows.shape)} must be contiguous [T, heads, dim] or [T, dim] "
                            f"and the weight [dim]")
     params = (tokens, heads, dim, cos2.shape[-1], rows.dtype == torch.float32, eps is not None, inverse)
-    _run("norm_rope", [rows, weight, cos2.contiguous(), sin2.contiguous()], (), params, eps or 0.0)
+    _run("norm_rope", [rows, weight, as_read(cos2), as_read(sin2)], (), params, eps or 0.0)
     return rows
 
 

@@ -125,8 +125,7 @@ def decode_attention(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
         q, sink, indices, masks = _decode_inputs(q, window, slots, at, compressed_pool, pages, page_rows, exists,
                                                   allowed, sink)
     out = torch.empty_like(q)
-    params = (batch, heads, dim, window.shape[1], count, int(q.dtype == torch.float32), window.stride(0), window.stride(1),
-              *((compressed_pool.stride(0), compressed_pool.stride(1)) if count else (0, 0)))
+    params = decode_params(batch, heads, dim, q.dtype, window, compressed_pool if count else None, count)
     pointers = (compressed_pool.data_ptr(), *(t.data_ptr() for t in indices[2:] + masks)) if count else (None,) * 5
     status = entry("decode_attention")(
         q.data_ptr(), window.data_ptr(), indices[0].data_ptr(), indices[1].data_ptr(), sink.data_ptr(), *pointers,
@@ -134,6 +133,15 @@ def decode_attention(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
     if status != 0:
         raise MemoryError("decode_attention: the kernel could not allocate its scratch memory")
     return out
+
+
+def decode_params(batch: int, heads: int, dim: int, dtype: torch.dtype, window: torch.Tensor,
+                  compressed_pool: torch.Tensor | None, count: int) -> tuple[int, ...]:
+    """decode_attention's p[] (cpu/attention.c's D_*) for queries [B, H, D] of `dtype`, `count` compressed
+    rows a token (compressed_pool None: none)."""
+    pool_strides = (0, 0) if compressed_pool is None else (compressed_pool.stride(0), compressed_pool.stride(1))
+    return (batch, heads, dim, window.shape[1], count, dtype == torch.float32, window.stride(0), window.stride(1),
+            *pool_strides)
 
 
 def _decode_ready(q: torch.Tensor, window: torch.Tensor, compressed_pool: torch.Tensor | None, indices: tuple,

@@ -22,6 +22,14 @@ def serves(projected: torch.Tensor, state: torch.Tensor) -> bool:
             and available())
 
 
+def feed_params(tokens: int, width: int, ratio: int, strides: tuple[int, int], dtype: torch.dtype, state: torch.Tensor,
+                read: int, windows: int, span: int, updates: int) -> tuple[int, ...]:
+    """The feed kernel's p[] (cpu/feed.c's F_*) for `tokens` projected rows [T, 2 * width] of `strides` and
+    `dtype` into `state`: `read` state rows, `windows` windows of `span` rows, `updates` rows changed."""
+    return (tokens, width, ratio, *strides, dtype == torch.float32, state.stride(0), state.stride(1), read, windows, span,
+            updates)
+
+
 def feed(projected: torch.Tensor, positions: torch.Tensor, ape: torch.Tensor, state: torch.Tensor,
          state_slots: torch.Tensor, state_rows: torch.Tensor, window_sources: torch.Tensor,
          update_slots: torch.Tensor, update_rows: torch.Tensor, update_sources: torch.Tensor) -> torch.Tensor:
@@ -50,8 +58,8 @@ def feed(projected: torch.Tensor, positions: torch.Tensor, ape: torch.Tensor, st
                                                         update_slots, update_rows, update_sources)]
     ape = as_read(ape)  # (held: a copy's memory must outlive the call)
     out = torch.empty(windows, span, 2 * width)
-    params = (tokens, width, ratio, *projected.stride(), projected.dtype == torch.float32, state.stride(0),
-              state.stride(1), state_slots.shape[0], windows, span, update_slots.shape[0])
+    params = feed_params(tokens, width, ratio, projected.stride(), projected.dtype, state, state_slots.shape[0],
+                         windows, span, update_slots.shape[0])
     positions, state_slots, state_rows, window_sources, update_slots, update_rows, update_sources = indices
     status = entry("compressor_feed")(
         projected.data_ptr(), positions.data_ptr(), ape.data_ptr(), state.data_ptr(),

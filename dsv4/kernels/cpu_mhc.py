@@ -22,6 +22,11 @@ def serves(dtype: torch.dtype, device: torch.device, streams: int) -> bool:
     return device.type == "cpu" and dtype in _DTYPES and streams <= MAX_STREAMS and available()
 
 
+def mix_params(tokens: int, n: int, hidden: int, sinkhorn_iters: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """The mix kernel's p[] (cpu/mhc.c's M_*)."""
+    return tokens, n, hidden, sinkhorn_iters, dtype == torch.bfloat16
+
+
 def mix(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
         base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor, *, n: int, sinkhorn_iters: int, hc_eps: float,
         norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,7 +55,7 @@ def mix(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: t
     inputs = [as_read(t) for t in (streams, output, post, comb, fn, base, scale, norm)]
     outputs = (torch.empty_like(inputs[0]), torch.empty_like(inputs[1]), torch.empty_like(inputs[2]),
                torch.empty_like(inputs[3]))
-    params = (tokens, n, hidden, sinkhorn_iters, streams.dtype == torch.bfloat16)
+    params = mix_params(tokens, n, hidden, sinkhorn_iters, streams.dtype)
     threads = torch.get_num_threads()
     status = entry("mhc_mix")(*(t.data_ptr() for t in inputs), *(t.data_ptr() for t in outputs),
                               (ctypes.c_int64 * len(params))(*params), hc_eps, norm_eps, threads)

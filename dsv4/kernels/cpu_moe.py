@@ -82,10 +82,24 @@ def _route_inputs(x, token_ids, gate, route, first_expert, local_experts, top_k,
         problems.append(f"no routing by {scoring_func!r} with k {top_k} of {experts} experts")
     if problems:
         raise RuntimeError("cpu route: " + "; ".join(problems))
-    params = (count, hidden, experts, top_k, first_expert, local_experts, x.dtype == torch.float32, hashed,
-              _SCORE_FUNCTIONS.index(scoring_func), norm_topk_prob, group_rows)
+    params = route_params(count, hidden, experts, top_k, first_expert, local_experts, x.dtype, hashed, scoring_func,
+                          norm_topk_prob, group_rows)
     inputs = (as_read(x), as_read(gate), as_read(route), as_read(token_ids, torch.int64))
     return inputs, (ctypes.c_int64 * len(params))(*params)
+
+
+def route_params(tokens: int, hidden: int, experts: int, top_k: int, first_expert: int, local_experts: int,
+                 dtype: torch.dtype, hashed: bool, scoring_func: str, norm_topk_prob: bool,
+                 group_rows: int) -> tuple[int, ...]:
+    """moe_route's p[] (cpu/route.c's R_*)."""
+    return (tokens, hidden, experts, top_k, first_expert, local_experts, dtype == torch.float32, hashed,
+            _SCORE_FUNCTIONS.index(scoring_func), norm_topk_prob, group_rows)
+
+
+def moe_params(tokens: int, picks: int, experts: int, hidden: int, inter: int, shared: int,
+               dtype: torch.dtype) -> tuple[int, ...]:
+    """The MoE kernels' p[] (cpu/moe.c's M_*, cpu/moe.h's T_*)."""
+    return tokens, picks, experts, hidden, inter, shared, dtype == torch.float32
 
 
 def moe_few(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends: torch.Tensor, scale: torch.Tensor,
@@ -153,7 +167,7 @@ def _moe_inputs(name: str, x: torch.Tensor, picks: int, w13: torch.Tensor, w2: t
     if problems:
         raise RuntimeError(f"{name}: " + "; ".join(problems))
     weights = [as_read(t) for t in weights] + ([] if shared else [None, None])
-    params = (count, picks, experts, hidden, inter, shared, x.dtype == torch.float32)
+    params = moe_params(count, picks, experts, hidden, inter, shared, x.dtype)
     return as_read(x), weights, (ctypes.c_int64 * len(params))(*params)
 
 

@@ -38,9 +38,21 @@ def project(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor, wq_b: 
     inputs = [as_read(t) for t in (x, w_input, q_norm, wq_b, kv_norm, cos2, sin2)]
     q, kv = x.new_empty(tokens, heads, dim), x.new_empty(tokens, dim)
     qr, projected = x.new_empty(tokens, q_rank), x.new_empty(tokens, width)
-    params = (tokens, hidden, width, q_rank, dim, heads, rope, x.dtype == torch.float32)
+    params = project_params(tokens, hidden, width, q_rank, dim, heads, rope, x.dtype)
     _run("decode_project", inputs, (q, kv, qr, projected), params, eps)
     return q, kv, qr, projected
+
+
+def project_params(tokens: int, hidden: int, width: int, q_rank: int, dim: int, heads: int, rope: int,
+                   dtype: torch.dtype) -> tuple[int, ...]:
+    """decode_project's p[] (cpu/project.c's J_*)."""
+    return tokens, hidden, width, q_rank, dim, heads, rope, dtype == torch.float32
+
+
+def exit_params(tokens: int, heads: int, dim: int, groups: int, o_rank: int, hidden: int, rope: int,
+                dtype: torch.dtype) -> tuple[int, ...]:
+    """decode_exit's p[] (cpu/project.c's X_*)."""
+    return tokens, heads, dim, groups, o_rank, hidden, rope, dtype == torch.float32
 
 
 def exit(out: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, wo_a: torch.Tensor,
@@ -60,8 +72,8 @@ def exit(out: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, wo_a: torch.
         raise RuntimeError("cpu exit: out must be contiguous (it is rotated back in place)")
     inputs = [out, *(as_read(t) for t in (cos2, sin2, wo_a, wo_b))]
     result = out.new_empty(tokens, hidden)
-    _run("decode_exit", inputs, (result,), (tokens, heads, dim, groups, o_rank, hidden, rope,
-                                            out.dtype == torch.float32), None)
+    _run("decode_exit", inputs, (result,), exit_params(tokens, heads, dim, groups, o_rank, hidden, rope, out.dtype),
+         None)
     return result
 
 

@@ -172,7 +172,7 @@ class PagedAttention:
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
         ring = plan.ring_write
         # (a batch of decodes alone, on this path, has written its rows already: `_attend_decodes`)
-        if self.kernels or not _decodes_wrote_ring(plan):
+        if self.kernels or not decodes_wrote_ring(plan):
             put_rows(pools.window(self.layer), (ring.slots, ring.rows), raw_rows[ring.tokens])
 
         out = self._exit(out, rope, pieces)
@@ -385,7 +385,7 @@ class PagedAttention:
         return row_formats.unpack_main_rows(packed, fmt, cfg.head_dim, cfg.rope_head_dim)
 
 
-def _decodes_wrote_ring(plan: BatchPlan) -> bool:
+def decodes_wrote_ring(plan: BatchPlan) -> bool:
     """Whether the batch's ring writes are its decode tokens' alone (one group of decodes, no captured
     boundary's ring), which `PagedAttention._attend_decodes` stored before attending."""
     groups = plan.groups

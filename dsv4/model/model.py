@@ -17,6 +17,7 @@ from dsv4.memory.pools import StatePools
 
 from .attention import PagedAttention
 from .compile import Pieces, eager_pieces
+from .decode_layer import DecodeStep, FusedLayer
 from .mhc import HyperConnection, Residual, hc_head
 from .moe import GroupedMoE
 from .ops import Rope, accumulation_dtype, layer_inv_freq, linear, rms_norm
@@ -53,6 +54,10 @@ class PagedModel:
         self.embed, self.head, self.norm = w("embed.weight"), w("head.weight"), w("norm.weight")
         self.hc_head_weights = (w("hc_head_fn"), w("hc_head_base"), w("hc_head_scale"))
         self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce) for i in range(cfg.num_layers)]
+        # Each layer of a decode step as one C call where the CPU's kernels take all of it (None: they do not)
+        self.fused = [FusedLayer(cfg, i, block, pools, dtype, self.pieces.mix.keywords)
+                      if FusedLayer.usable(block, pools, dtype, self.pieces.mix) else None
+                      for i, block in enumerate(self.blocks)]
         kernels_read = {"projections": [w for block in self.blocks if block.attn.kernel_weights is not None
                                         for w in (*block.attn.kernel_weights, block.attn.index_kernel_weight)],
                         "experts": [w for block in self.blocks if block.ffn.kernel_weights is not None
@@ -75,8 +80,14 @@ class PagedModel:
         # [T, hc, hidden], contiguous like every later layer's streams (one layout for compiled code)
         residual = Residual.start(x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous())
         ropes = {window: Rope(plan.positions, inv_freq, self.dtype) for window, inv_freq in self.inv_freq.items()}
-        for block in self.blocks:
-            residual = block(residual, plan, ropes[block.window], on_selection, self.pieces)
+        step = None
+        if on_selection is None and any(self.fused):
+            step = DecodeStep.of(plan, ropes, cfg.index_topk)
+        for block, fused in zip(self.blocks, self.fused, strict=True):
+            if step is not None and fused is not None and fused.serves(step):
+                residual = fused(residual, step)
+            else:
+                residual = block(residual, plan, ropes[block.window], on_selection, self.pieces)
         last = residual.rows(torch.cat([plan.sample_tokens, plan.prompt_tokens])).written()
         x = hc_head(last, *self.hc_head_weights, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         return linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.head).float()

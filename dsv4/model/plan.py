@@ -245,6 +245,8 @@ class _Captures:
     def rows_before(self, count: int, *, ring: bool) -> _Rows:
         """Positions b - count .. b - 1 of every capture at b: (its unit, row in the unit, token row);
         the unit row of p is p % count in a ring, else p - (b - count)."""
+        if not self.position.size:  # (most batches capture nothing)
+            return _NO_ROWS
         positions, owner = _ragged_arange(self.position - count, self.position)
         rows = positions % count if ring else positions - self.position[owner] + count
         return _Rows(slots=self.unit[owner], rows=rows, tokens=self.offset[owner] + positions - self.start[owner])
@@ -257,6 +259,9 @@ class _Rows:
     slots: np.ndarray
     rows: np.ndarray
     tokens: np.ndarray
+
+
+_NO_ROWS = _Rows(*(np.zeros(0, dtype=np.int64),) * 3)
 
 
 def _compress_plan(chunks: _Chunks, ratio: int, state_rows: int, captures: _Captures) -> CompressPlan:

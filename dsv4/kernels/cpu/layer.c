@@ -1,0 +1,125 @@
+/* decode_layer: a whole decoder layer of a decode step's few tokens as one call (dsv4/kernels/cpu_layer.py),
+ * where nothing in it needs Python: the kernels the model otherwise calls one by one, in the same order on
+ * the same values, so the result is theirs to the bit. From a call per kernel (a dozen torch ops and
+ * checks around each), a c=1 decode layer of `small` kept ~200 us of overhead beside ~250 us of kernels.
+ *   mhc_mix (attention's)  -> x
+ *   decode_project         -> q, kv, projected
+ *   compressor_feed        -> each compressor's partial state (a step in which none of its windows completes)
+ *   the ring write         -> each token's raw row (kv) into its slot's window ring, row position % W
+ *   decode_attention       -> the attention's output over the rings and compressed rows
+ *   decode_exit            -> the attention sublayer's output y
+ *   mhc_mix (the MoE's)    -> the new streams, post and comb, and the MoE's input
+ *   moe_routed             -> the MoE's output, rounded into the model's dtype
+ * Intermediates live in one scratch allocation; each kernel runs its own parallel region, as when called
+ * alone. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dots.h"
+
+int mhc_mix(const void *streams, const void *output, const float *post, const float *comb, const float *fn,
+            const float *base, const float *scale, const float *norm, void *streams_out, void *x_out,
+            float *post_out, float *comb_out, const int64_t *p, float hc_eps, float norm_eps, int threads);
+int decode_project(const void *x, const uint16_t *w_input, const float *q_norm, const uint16_t *wq_b,
+                   const float *kv_norm, const float *cos2, const float *sin2, void *q, void *kv, void *qr,
+                   void *projected, const int64_t *p, float eps, int threads);
+int compressor_feed(const void *projected, const int64_t *positions, const float *ape, float *state,
+                    const int64_t *state_slots, const int64_t *state_rows, const int64_t *window_sources,
+                    const int64_t *update_slots, const int64_t *update_rows, const int64_t *update_sources,
+                    float *windows, const int64_t *p);
+int decode_attention(const void *q, const uint8_t *window, const int64_t *slots, const int64_t *at,
+                     const float *sink, const uint8_t *comp_pool, const int64_t *pages, const int64_t *page_rows,
+                     const uint8_t *exists, const uint8_t *allowed, void *out, const int64_t *p, float scale,
+                     int threads);
+int decode_exit(void *out, const float *cos2, const float *sin2, const uint16_t *wo_a, const uint16_t *wo_b,
+                void *result, const int64_t *p, int threads);
+int moe_routed(const void *x, const float *gate, const void *route, const int64_t *token_ids, const uint16_t *w13,
+               const uint16_t *w2, const uint16_t *shared_w13, const uint16_t *shared_w2, float *out,
+               const int64_t *rp, const int64_t *mp, float scaling, float limit, int tiles, int threads);
+
+/* ptr[]: the tensors, in cpu_layer.py's POINTERS order */
+enum {
+  STREAMS, OUTPUT, POST, COMB,                                     /* the residual, its last output unwritten */
+  ATTN_FN, ATTN_BASE, ATTN_SCALE, ATTN_NORM,                       /* the attention's mix */
+  W_INPUT, Q_NORM, WQ_B, KV_NORM, COS2, SIN2,                      /* its projections, the RoPE tables */
+  POSITIONS,                                                       /* the tokens' positions */
+  APE_0, STATE_0, STATE_SLOTS_0, STATE_ROWS_0, UPDATE_SLOTS_0, UPDATE_ROWS_0, UPDATE_SOURCES_0, /* compressor */
+  APE_1, STATE_1, STATE_SLOTS_1, STATE_ROWS_1, UPDATE_SLOTS_1, UPDATE_ROWS_1, UPDATE_SOURCES_1, /* the indexer's */
+  WINDOW, SLOTS, AT, SINK, COMP_POOL, PAGES, PAGE_ROWS, EXISTS, ALLOWED, /* the attention */
+  WO_A, WO_B,                                                      /* its exit */
+  FFN_FN, FFN_BASE, FFN_SCALE, FFN_NORM,                           /* the MoE's mix */
+  TOKEN_IDS, GATE, ROUTE, W13, W2, SHARED_W13, SHARED_W2,          /* the MoE */
+  STREAMS_OUT, OUTPUT_OUT, POST_OUT, COMB_OUT,                     /* the new residual */
+  POINTER_COUNT
+};
+/* params[]: each kernel's p[] as its wrapper builds it, and the layer's own (L_*) */
+enum { P_LAYER, P_MIX, P_PROJECT, P_FEED_0, P_FEED_1, P_ATTENTION, P_EXIT, P_ROUTE, P_MOE, PARAM_COUNT };
+/* the layer's p[]: tokens, streams, hidden size, w_input's rows, q_lora_rank, head_dim, heads, fp32 (else
+ * bf16), the window W, the ring's slot and row strides (bytes), compressors fed (0..2), where each one's
+ * kv | gate columns start in the projected row, whether the MoE runs on AMX tiles */
+enum { L_TOKENS, L_STREAMS, L_HIDDEN, L_WIDTH, L_Q_RANK, L_DIM, L_HEADS, L_FP32, L_W, L_SLOT_STRIDE, L_RING_ROW,
+       L_FEEDS, L_FEED_COLUMN_0, L_FEED_COLUMN_1, L_TILES, L_COUNT };
+/* f[]: the mixes' hc_eps and norm eps, the projections' norm eps, the attention's scale, the MoE's
+ * routed scaling factor and SwiGLU limit */
+enum { F_HC_EPS, F_NORM_EPS, F_PROJECT_EPS, F_ATTENTION_SCALE, F_SCALING, F_SWIGLU_LIMIT, FLOAT_COUNT };
+
+int decode_layer(void *const *ptr, const int64_t *const *params, const float *f, int threads) {
+  const int64_t *p = params[P_LAYER];
+  const int64_t T = p[L_TOKENS], n = p[L_STREAMS], hidden = p[L_HIDDEN], width = p[L_WIDTH], dim = p[L_DIM];
+  const int64_t heads = p[L_HEADS], size = p[L_FP32] ? 4 : 2;
+  /* the intermediates, each a multiple of 64 bytes */
+  const int64_t sizes[] = {T * n * hidden * size, T * hidden * size, T * n * 4, T * n * n * 4, T * heads * dim * size,
+                           T * dim * size, T * p[L_Q_RANK] * size, T * width * size, T * heads * dim * size,
+                           T * hidden * size, T * hidden * size, T * hidden * 4};
+  enum { MID_STREAMS, X, MID_POST, MID_COMB, Q, KV, QR, PROJECTED, ATTENDED, Y, MOE_X, MOE_OUT, PARTS };
+  char *at[PARTS];
+  int64_t total = 0;
+  for (int i = 0; i < PARTS; i++) total += round_up(sizes[i], 64);
+  char *scratch = aligned_alloc(64, (size_t)total);
+  if (!scratch) return 1;
+  for (int i = 0, offset = 0; i < PARTS; offset += (int)round_up(sizes[i], 64), i++) at[i] = scratch + offset;
+
+  int status = mhc_mix(ptr[STREAMS], ptr[OUTPUT], ptr[POST], ptr[COMB], ptr[ATTN_FN], ptr[ATTN_BASE], ptr[ATTN_SCALE],
+                       ptr[ATTN_NORM], at[MID_STREAMS], at[X], (float *)at[MID_POST], (float *)at[MID_COMB],
+                       params[P_MIX], f[F_HC_EPS], f[F_NORM_EPS], threads);
+  if (!status)
+    status = decode_project(at[X], ptr[W_INPUT], ptr[Q_NORM], ptr[WQ_B], ptr[KV_NORM], ptr[COS2], ptr[SIN2], at[Q],
+                            at[KV], at[QR], at[PROJECTED], params[P_PROJECT], f[F_PROJECT_EPS], threads);
+  for (int c = 0; c < p[L_FEEDS] && !status; c++) {
+    const int o = c * (APE_1 - APE_0);
+    status = compressor_feed(at[PROJECTED] + p[L_FEED_COLUMN_0 + c] * size, ptr[POSITIONS], ptr[APE_0 + o],
+                             ptr[STATE_0 + o], ptr[STATE_SLOTS_0 + o], ptr[STATE_ROWS_0 + o], NULL,
+                             ptr[UPDATE_SLOTS_0 + o], ptr[UPDATE_ROWS_0 + o], ptr[UPDATE_SOURCES_0 + o], NULL,
+                             params[P_FEED_0 + c]);
+  }
+  if (!status) {
+    const int64_t *slots = ptr[SLOTS], *positions = ptr[AT];
+    for (int64_t t = 0; t < T; t++)
+      memcpy((char *)ptr[WINDOW] + slots[t] * p[L_SLOT_STRIDE] + positions[t] % p[L_W] * p[L_RING_ROW],
+             at[KV] + t * dim * size, (size_t)(dim * size));
+    status = decode_attention(at[Q], ptr[WINDOW], slots, positions, ptr[SINK], ptr[COMP_POOL], ptr[PAGES],
+                              ptr[PAGE_ROWS], ptr[EXISTS], ptr[ALLOWED], at[ATTENDED], params[P_ATTENTION],
+                              f[F_ATTENTION_SCALE], threads);
+  }
+  if (!status)
+    status = decode_exit(at[ATTENDED], ptr[COS2], ptr[SIN2], ptr[WO_A], ptr[WO_B], at[Y], params[P_EXIT], threads);
+  if (!status)
+    status = mhc_mix(at[MID_STREAMS], at[Y], (float *)at[MID_POST], (float *)at[MID_COMB], ptr[FFN_FN], ptr[FFN_BASE],
+                     ptr[FFN_SCALE], ptr[FFN_NORM], ptr[STREAMS_OUT], at[MOE_X], ptr[POST_OUT], ptr[COMB_OUT],
+                     params[P_MIX], f[F_HC_EPS], f[F_NORM_EPS], threads);
+  if (!status)
+    status = moe_routed(at[MOE_X], ptr[GATE], ptr[ROUTE], ptr[TOKEN_IDS], ptr[W13], ptr[W2], ptr[SHARED_W13],
+                        ptr[SHARED_W2], (float *)at[MOE_OUT], params[P_ROUTE], params[P_MOE], f[F_SCALING],
+                        f[F_SWIGLU_LIMIT], (int)p[L_TILES], threads);
+  if (!status) { /* the MoE's output in the model's dtype, as torch rounds it */
+    const float *moe = (const float *)at[MOE_OUT];
+    for (int64_t i = 0; i < T * hidden; i++) {
+      if (p[L_FP32]) ((float *)ptr[OUTPUT_OUT])[i] = moe[i];
+      else ((uint16_t *)ptr[OUTPUT_OUT])[i] = to_bf16(moe[i]);
+    }
+  }
+  free(scratch);
+  return status;
+}

@@ -1,0 +1,55 @@
+"""A decoder layer of a decode step's few tokens as one C call (cpu/layer.c), on AVX512-BF16: the attention's
+mHC mix, its projections, the compressors' feeds, the ring write, the attention and its exit, the MoE's
+mix and the MoE, through the kernels the model otherwise calls one at a time (cpu_mhc, cpu_project,
+cpu_compressor, cpu_attention, cpu_moe), in the same order on the same values. Its oracle is that
+sequence: its test runs the model both ways and compares them to the bit. The tensors are checked once,
+where dsv4.model.decode_layer binds a layer's weights and prepares a step's indices; this module only
+lays out the call."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from .cpu_library import available, entry
+
+__all__ = ["FLOATS", "PARAMS", "POINTERS", "available", "decode_layer", "layer_params"]
+
+# cpu/layer.c's ptr[] order: the residual; the attention's mix weights; its projections' weights and the
+# RoPE tables; the positions; two compressors' ape, state and plan rows; the attention's pools, rows and
+# sink; the exit's weights; the MoE's mix weights; the MoE's token ids, router and weights; the new residual
+POINTERS = ("streams", "output", "post", "comb", "attn_fn", "attn_base", "attn_scale", "attn_norm",
+            "w_input", "q_norm", "wq_b", "kv_norm", "cos2", "sin2", "positions",
+            *(f"{name}_{c}" for c in (0, 1) for name in ("ape", "state", "state_slots", "state_rows", "update_slots",
+                                                         "update_rows", "update_sources")),
+            "window", "slots", "at", "sink", "comp_pool", "pages", "page_rows", "exists", "allowed",
+            "wo_a", "wo_b", "ffn_fn", "ffn_base", "ffn_scale", "ffn_norm",
+            "token_ids", "gate", "route", "w13", "w2", "shared_w13", "shared_w2",
+            "streams_out", "output_out", "post_out", "comb_out")
+# cpu/layer.c's params[]: the layer's own p[] (`layer_params`), then each kernel's as its module builds it
+PARAMS = ("layer", "mix", "project", "feed_0", "feed_1", "attention", "exit", "route", "moe")
+FLOATS = ("hc_eps", "norm_eps", "project_eps", "attention_scale", "routed_scaling_factor", "swiglu_limit")
+
+
+def layer_params(tokens: int, streams: int, hidden: int, width: int, q_rank: int, dim: int, heads: int,
+                 dtype: torch.dtype, window: torch.Tensor, feed_columns: Sequence[int], tiles: bool) -> tuple[int, ...]:
+    """The layer's p[] (cpu/layer.c's L_*): the shapes, the window pool's ring (uint8 [slots, W, row bytes])
+    and where each fed compressor's kv | gate columns start in the projected row."""
+    columns = (*feed_columns, 0, 0)[:2]
+    return (tokens, streams, hidden, width, q_rank, dim, heads, dtype == torch.float32, window.shape[1],
+            window.stride(0), window.stride(1), len(feed_columns), *columns, tiles)
+
+
+def decode_layer(pointers: Sequence[int | None], params: Sequence[ctypes.Array], floats: ctypes.Array) -> None:
+    """Runs cpu/layer.c's decode_layer: `pointers` in POINTERS order (None: absent), `params` in PARAMS
+    order (c_int64 arrays; a compressor not fed: any), `floats` in FLOATS order (a c_float array)."""
+    if len(pointers) != len(POINTERS) or len(params) != len(PARAMS) or len(floats) != len(FLOATS):
+        raise RuntimeError(f"cpu decode_layer: {len(POINTERS)} pointers, {len(PARAMS)} parameter arrays and "
+                           f"{len(FLOATS)} floats (got {len(pointers)}, {len(params)}, {len(floats)})")
+    status = entry("decode_layer")((ctypes.c_void_p * len(POINTERS))(*pointers),
+                                   (ctypes.c_void_p * len(PARAMS))(*map(ctypes.addressof, params)), floats,
+                                   torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"cpu decode_layer: a kernel could not allocate its scratch memory ({status})")

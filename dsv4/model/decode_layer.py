@@ -1,0 +1,191 @@
+"""A decode step's layers as one C call each (dsv4/kernels/cpu_layer.py), where the CPU's C kernels take
+every piece of the layer: what `_Block` computes through a dozen kernel calls and the torch ops around
+them, from tensors bound once. A c=1 decode layer of `small` spent ~250 us in its kernels and ~200 more
+in the Python and torch ops around them.
+
+`FusedLayer` binds a layer's weights, pools and constants at construction; `DecodeStep` prepares, once
+per forward, the batch's indices and RoPE tables that every layer reads. A layer runs fused where the
+step allows it (`FusedLayer.serves`): no window of its compressors' ratio completes in the step (the new
+compressed rows' pooling is the model's torch code) and its indexer does not select (contexts of at most
+index_topk compressed rows). Otherwise, and for batches that are not decode steps of at most
+cpu_project.KERNEL_TOKENS tokens, the layer runs as `_Block`. Both give the same bits."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from dsv4.config import ModelConfig
+from dsv4.kernels import cpu_attention, cpu_compressor, cpu_layer, cpu_mhc, cpu_moe, cpu_project
+from dsv4.kernels.cpu_library import as_read
+from dsv4.memory.pools import StatePools
+
+from .attention import decodes_wrote_ring, softmax_scale
+from .mhc import Residual
+from .ops import Rope
+from .plan import BatchPlan
+
+
+class DecodeStep:
+    """A batch of decode tokens as every layer's one call reads it (`of`), prepared once a forward."""
+
+    def __init__(self, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int):
+        group = plan.groups[0]
+        self.tokens = group.batch
+        self.positions, self.token_ids = as_read(plan.positions, torch.int64), as_read(plan.token_ids, torch.int64)
+        self.slots = as_read(group.slots[:, 0], torch.int64)
+        self.tables = {window: (as_read(rope.cos2, torch.float32), as_read(rope.sin2, torch.float32))
+                       for window, rope in ropes.items()}
+        # By ratio: the compressed rows each token sees (count, pages, page_rows, exists, allowed), and
+        # whether the indexer would select among them (more than it keeps)
+        self.rows, self.indexer_selects = {}, {}
+        for ratio, rows in group.compressed.items():
+            count = rows.pages.shape[1]
+            self.indexer_selects[ratio] = count > index_topk
+            self.rows[ratio] = (count, *((as_read(t, torch.int64) for t in (rows.pages, rows.page_rows)) if count else (None,) * 2),
+                                *((as_read(t, torch.bool) for t in (rows.exists, rows.visible[:, 0])) if count else (None,) * 2))
+        # By ratio: the compressors' feed (read, span, updates, and the plan's state_slots, state_rows,
+        # update_slots, update_rows, update_sources), None where a window completes
+        self.feeds = {}
+        for ratio, compress in plan.compress.items():
+            if len(compress.window_positions):
+                self.feeds[ratio] = None
+                continue
+            indices = [as_read(t, torch.int64) for t in (compress.state_slots, compress.state_rows, compress.update_slots,
+                                                         compress.update_rows, compress.update_sources)]
+            self.feeds[ratio] = (len(compress.state_slots), compress.window_sources.shape[1], len(compress.update_slots),
+                                 indices)
+        self._params: dict[tuple, list[ctypes.Array]] = {}
+
+    @classmethod
+    def of(cls, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int) -> DecodeStep | None:
+        """The step for a batch of decode tokens alone, at most cpu_project.KERNEL_TOKENS of them, none a
+        captured boundary; None for any other."""
+        groups = plan.groups
+        if (len(groups) != 1 or groups[0].length != 1 or groups[0].batch > cpu_project.KERNEL_TOKENS
+                or not decodes_wrote_ring(plan)):
+            return None
+        return cls(plan, ropes, index_topk)
+
+    def params(self, layer: FusedLayer) -> list[ctypes.Array]:
+        """`layer`'s kernels' p[] arrays for this step (one set per kind of layer)."""
+        params = self._params.get(layer.kind)
+        if params is None:
+            params = self._params[layer.kind] = [(ctypes.c_int64 * len(p))(*p) for p in layer.params(self)]
+        return params
+
+
+class FusedLayer:
+    """One decoder layer's weights, pools and constants bound for its one call (cpu_layer.decode_layer)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, block, pools: StatePools, dtype: torch.dtype, mix_constants: dict):
+        """`block`: the model's _Block of this layer, whose weights this binds (`usable` said yes)."""
+        attn, ffn = block.attn, block.ffn
+        self.cfg, self.dtype, self.window = cfg, dtype, block.window
+        self.ratio = attn.ratio if attn.compressor is not None else None
+        self.selects = attn.index_compressor is not None  # a CSA layer's indexer
+        w_input, wq_b, wo_a, wo_b = attn.kernel_weights
+        self.shapes = {"width": w_input.shape[0], "q_rank": attn.q_norm.shape[0], "dim": attn.kv_norm.shape[0],
+                       "heads": wq_b.shape[0] // attn.kv_norm.shape[0], "groups": wo_a.shape[0], "o_rank": wo_a.shape[1]}
+        # the compressors fed: (ape, state, where its kv | gate columns start in the projected row)
+        self.feeds = []
+        if attn.compressor is not None:
+            self.feeds.append((as_read(attn.compressor.ape, torch.float32), pools.compressor_state(layer), attn.rest_start))
+        if attn.index_compressor is not None:
+            self.feeds.append((as_read(attn.index_compressor.ape, torch.float32), pools.indexer_state(layer),
+                               attn.rest_start + attn.rest_widths[0]))
+        self.window_pool = pools.window(layer)
+        self.compressed_pool = pools.compressed_rows(layer) if self.ratio is not None else None
+        gate, route = ffn.router
+        w13, w2, shared_w13, shared_w2 = ffn.kernel_weights
+        self.moe = {"experts": gate.shape[0], "hidden": w13.shape[-1], "inter": w2.shape[-1], "tiles": ffn.tiles,
+                    "shared": 0 if shared_w2 is None else shared_w2.shape[-1], "hashed": route.dtype == torch.long,
+                    "routing": {k: v for k, v in ffn.routing.items() if k != "routed_scaling_factor"}}
+        # Every bound tensor, held here (the pointers below are theirs), contiguous (a copy, once, of one that
+        # is not: the kernels' wrappers would copy it at every call)
+        bound = {"attn_fn": block.attn_hc.weights[0], "attn_base": block.attn_hc.weights[1],
+                 "attn_scale": block.attn_hc.weights[2], "attn_norm": block.attn_hc.weights[3], "w_input": w_input,
+                 "q_norm": attn.q_norm, "wq_b": wq_b, "kv_norm": attn.kv_norm, "sink": attn.sink,
+                 "wo_a": wo_a, "wo_b": wo_b, "ffn_fn": block.ffn_hc.weights[0], "ffn_base": block.ffn_hc.weights[1],
+                 "ffn_scale": block.ffn_hc.weights[2], "ffn_norm": block.ffn_hc.weights[3], "gate": gate,
+                 "route": route, "w13": w13, "w2": w2, "shared_w13": shared_w13, "shared_w2": shared_w2}
+        self.bound = {name: None if t is None else as_read(t) for name, t in bound.items()}
+        self.pointers = {name: None if t is None else t.data_ptr() for name, t in self.bound.items()}
+        self.pointers["window"] = self.window_pool.data_ptr()
+        self.pointers["comp_pool"] = None if self.compressed_pool is None else self.compressed_pool.data_ptr()
+        for c, (ape, state, _) in enumerate(self.feeds):
+            self.pointers[f"ape_{c}"], self.pointers[f"state_{c}"] = ape.data_ptr(), state.data_ptr()
+        self.mix_constants = mix_constants
+        self.floats = (ctypes.c_float * len(cpu_layer.FLOATS))(
+            mix_constants["hc_eps"], mix_constants["norm_eps"], cfg.rms_norm_eps, softmax_scale(cfg),
+            ffn.routing["routed_scaling_factor"], cfg.swiglu_limit)
+        # Layers of one kind share their kernels' p[] in a step
+        self.kind = (self.window, self.ratio, self.shapes["width"], tuple((f[1].stride(), f[2]) for f in self.feeds))
+
+    @staticmethod
+    def usable(block, pools: StatePools, dtype: torch.dtype, mix: object) -> bool:
+        """Whether the layer's every piece runs as the C kernels that cpu_layer.decode_layer chains: the
+        attention's (its decode kernel, projections' weights and a compressor state it feeds), the MoE's
+        and the mixes' (`mix`: the model's mix piece), on one rank."""
+        attn, ffn = block.attn, block.ffn
+        return (cpu_layer.available() and attn.kernel_weights is not None and attn.decode_kernel and not attn.kernels
+                and attn.reduce is None and ffn.reduce is None and ffn.kernel_weights is not None
+                and getattr(mix, "func", None) is cpu_mhc.mix and dtype in (torch.float32, torch.bfloat16)
+                and pools.state_dtype == torch.float32)
+
+    def serves(self, step: DecodeStep) -> bool:
+        """Whether this layer runs fused in `step`: no window of its compressors completes, and its indexer
+        (a CSA layer's) does not select."""
+        if self.ratio is None:
+            return True
+        return step.feeds[self.ratio] is not None and not (self.selects and step.indexer_selects[self.ratio])
+
+    def params(self, step: DecodeStep) -> list[tuple[int, ...]]:
+        """The p[] of each of the layer's kernels for `step` (cpu_layer.PARAMS' order)."""
+        T, cfg, dtype, s, moe = step.tokens, self.cfg, self.dtype, self.shapes, self.moe
+        hidden, n, rope = cfg.hidden_size, cfg.hc_mult, step.tables[self.window][0].shape[-1]
+        count = 0 if self.ratio is None else step.rows[self.ratio][0]
+        feeds = []
+        for ape, state, _ in self.feeds:
+            read, span, updates, _ = step.feeds[self.ratio]
+            feeds.append(cpu_compressor.feed_params(T, ape.shape[1], ape.shape[0], (s["width"], 1), dtype, state, read, 0,
+                                                    span, updates))
+        feeds += [(0,)] * (2 - len(feeds))
+        return [cpu_layer.layer_params(T, n, hidden, s["width"], s["q_rank"], s["dim"], s["heads"], dtype,
+                                       self.window_pool, [column for _, _, column in self.feeds], moe["tiles"]),
+                cpu_mhc.mix_params(T, n, hidden, self.mix_constants["sinkhorn_iters"], dtype),
+                cpu_project.project_params(T, hidden, s["width"], s["q_rank"], s["dim"], s["heads"], rope, dtype),
+                *feeds,
+                cpu_attention.decode_params(T, s["heads"], s["dim"], dtype, self.window_pool,
+                                            self.compressed_pool if count else None, count),
+                cpu_project.exit_params(T, s["heads"], s["dim"], s["groups"], s["o_rank"], hidden, rope, dtype),
+                cpu_moe.route_params(T, hidden, moe["experts"], dtype=dtype, hashed=moe["hashed"], **moe["routing"]),
+                cpu_moe.moe_params(T, T * moe["routing"]["top_k"], moe["routing"]["local_experts"], hidden, moe["inter"],
+                                   moe["shared"], dtype)]
+
+    def __call__(self, residual: Residual, step: DecodeStep) -> Residual:
+        """The layer's output residual (its MoE's output unwritten, as `_Block` returns it)."""
+        streams, output, post, comb = (as_read(t) for t in residual)
+        out = Residual(torch.empty_like(streams), torch.empty_like(output), torch.empty_like(post), torch.empty_like(comb))
+        cos2, sin2 = step.tables[self.window]
+        variable = {"streams": streams, "output": output, "post": post, "comb": comb, "cos2": cos2, "sin2": sin2,
+                    "positions": step.positions, "slots": step.slots, "at": step.positions,
+                    "token_ids": step.token_ids, "streams_out": out.streams, "output_out": out.output,
+                    "post_out": out.post, "comb_out": out.comb}
+        pointers = dict(self.pointers, **{name: t.data_ptr() for name, t in variable.items()})
+        if self.ratio is not None:
+            count, pages, page_rows, exists, allowed = step.rows[self.ratio]
+            if count:
+                pointers.update(pages=pages.data_ptr(), page_rows=page_rows.data_ptr(), exists=exists.data_ptr(),
+                                allowed=allowed.data_ptr())
+            else:
+                pointers["comp_pool"] = None
+            indices = step.feeds[self.ratio][3]
+            for c in range(len(self.feeds)):
+                for name, t in zip(("state_slots", "state_rows", "update_slots", "update_rows", "update_sources"), indices,
+                                   strict=True):
+                    pointers[f"{name}_{c}"] = t.data_ptr()
+        cpu_layer.decode_layer([pointers.get(name) for name in cpu_layer.POINTERS], step.params(self), self.floats)
+        return out
+

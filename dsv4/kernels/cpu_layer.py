@@ -15,7 +15,7 @@ import torch
 
 from .cpu_library import available, entry
 
-__all__ = ["FLOATS", "PARAMS", "POINTERS", "available", "decode_layer", "layer_params"]
+__all__ = ["FLOATS", "PARAMS", "POINTERS", "Params", "available", "decode_layer", "layer_params"]
 
 # cpu/layer.c's ptr[] order: the residual; the attention's mix weights; its projections' weights and the
 # RoPE tables; the positions; two compressors' ape, state and plan rows; the attention's pools, rows and
@@ -42,14 +42,24 @@ def layer_params(tokens: int, streams: int, hidden: int, width: int, q_rank: int
             window.stride(0), window.stride(1), len(feed_columns), *columns, tiles)
 
 
-def decode_layer(pointers: Sequence[int | None], params: Sequence[ctypes.Array], floats: ctypes.Array) -> None:
-    """Runs cpu/layer.c's decode_layer: `pointers` in POINTERS order (None: absent), `params` in PARAMS
-    order (c_int64 arrays; a compressor not fed: any), `floats` in FLOATS order (a c_float array)."""
-    if len(pointers) != len(POINTERS) or len(params) != len(PARAMS) or len(floats) != len(FLOATS):
-        raise RuntimeError(f"cpu decode_layer: {len(POINTERS)} pointers, {len(PARAMS)} parameter arrays and "
-                           f"{len(FLOATS)} floats (got {len(pointers)}, {len(params)}, {len(floats)})")
-    status = entry("decode_layer")((ctypes.c_void_p * len(POINTERS))(*pointers),
-                                   (ctypes.c_void_p * len(PARAMS))(*map(ctypes.addressof, params)), floats,
+class Params:
+    """The kernels' p[] arrays of one call (`PARAMS` order; a compressor not fed: any), laid out once for
+    every call of a step that shares them."""
+
+    def __init__(self, params: Sequence[Sequence[int]]):
+        if len(params) != len(PARAMS):
+            raise RuntimeError(f"cpu decode_layer: {len(PARAMS)} parameter arrays (got {len(params)})")
+        self.arrays = [(ctypes.c_int64 * len(p))(*p) for p in params]  # (held: the pointers below are theirs)
+        self.pointers = (ctypes.c_void_p * len(PARAMS))(*map(ctypes.addressof, self.arrays))
+
+
+def decode_layer(pointers: Sequence[int | None], params: Params, floats: ctypes.Array) -> None:
+    """Runs cpu/layer.c's decode_layer: `pointers` in POINTERS order (None: absent), `floats` in FLOATS
+    order (a c_float array)."""
+    if len(pointers) != len(POINTERS) or len(floats) != len(FLOATS):
+        raise RuntimeError(f"cpu decode_layer: {len(POINTERS)} pointers and {len(FLOATS)} floats (got "
+                           f"{len(pointers)}, {len(floats)})")
+    status = entry("decode_layer")((ctypes.c_void_p * len(POINTERS))(*pointers), params.pointers, floats,
                                    torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"cpu decode_layer: a kernel could not allocate its scratch memory ({status})")

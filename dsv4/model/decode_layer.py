@@ -26,6 +26,17 @@ from .mhc import Residual
 from .ops import Rope
 from .plan import BatchPlan
 
+_AT = {name: i for i, name in enumerate(cpu_layer.POINTERS)}
+# Where FusedLayer.__call__ puts each of its call's pointers that are not bound: the residual in and out, the
+# step's (`DecodeStep.pointers`), a ratio's compressed rows and its compressors' plan rows
+_RESIDUAL = [_AT[name] for name in ("streams", "output", "post", "comb", "streams_out", "output_out", "post_out",
+                                     "comb_out")]
+_STEP = [_AT[name] for name in ("cos2", "sin2", "positions", "slots", "at", "token_ids")]
+_ROWS = [_AT[name] for name in ("pages", "page_rows", "exists", "allowed")]
+_COMP_POOL = _AT["comp_pool"]
+_FEED = [[_AT[f"{name}_{c}"] for name in ("state_slots", "state_rows", "update_slots", "update_rows", "update_sources")]
+         for c in (0, 1)]
+
 
 class DecodeStep:
     """A batch of decode tokens as every layer's one call reads it (`of`), prepared once a forward."""
@@ -56,7 +67,16 @@ class DecodeStep:
                                                          compress.update_rows, compress.update_sources)]
             self.feeds[ratio] = (len(compress.state_slots), compress.window_sources.shape[1], len(compress.update_slots),
                                  indices)
-        self._params: dict[tuple, list[ctypes.Array]] = {}
+        self._params: dict[tuple, cpu_layer.Params] = {}
+        # The addresses every layer's call reads: by kind of layer (a window layer's RoPE tables or a
+        # compressed one's) the tables, positions, slots, positions again (the ring's) and token ids; by
+        # ratio, the compressed rows' (None: none yet) and the feeds' plan rows
+        self.pointers = {window: [t.data_ptr() for t in (*tables, self.positions, self.slots, self.positions,
+                                                          self.token_ids)]
+                         for window, tables in self.tables.items()}
+        self.ratio_pointers = {ratio: (None if rows[0] == 0 else [t.data_ptr() for t in rows[1:]],
+                                       None if self.feeds[ratio] is None else [t.data_ptr() for t in self.feeds[ratio][3]])
+                               for ratio, rows in self.rows.items()}
 
     @classmethod
     def of(cls, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int) -> DecodeStep | None:
@@ -68,11 +88,11 @@ class DecodeStep:
             return None
         return cls(plan, ropes, index_topk)
 
-    def params(self, layer: FusedLayer) -> list[ctypes.Array]:
+    def params(self, layer: FusedLayer) -> cpu_layer.Params:
         """`layer`'s kernels' p[] arrays for this step (one set per kind of layer)."""
         params = self._params.get(layer.kind)
         if params is None:
-            params = self._params[layer.kind] = [(ctypes.c_int64 * len(p))(*p) for p in layer.params(self)]
+            params = self._params[layer.kind] = cpu_layer.Params(layer.params(self))
         return params
 
 
@@ -111,11 +131,13 @@ class FusedLayer:
                  "ffn_scale": block.ffn_hc.weights[2], "ffn_norm": block.ffn_hc.weights[3], "gate": gate,
                  "route": route, "w13": w13, "w2": w2, "shared_w13": shared_w13, "shared_w2": shared_w2}
         self.bound = {name: None if t is None else as_read(t) for name, t in bound.items()}
-        self.pointers = {name: None if t is None else t.data_ptr() for name, t in self.bound.items()}
-        self.pointers["window"] = self.window_pool.data_ptr()
-        self.pointers["comp_pool"] = None if self.compressed_pool is None else self.compressed_pool.data_ptr()
+        pointers = {name: None if t is None else t.data_ptr() for name, t in self.bound.items()}
+        pointers["window"] = self.window_pool.data_ptr()
+        pointers["comp_pool"] = None if self.compressed_pool is None else self.compressed_pool.data_ptr()
         for c, (ape, state, _) in enumerate(self.feeds):
-            self.pointers[f"ape_{c}"], self.pointers[f"state_{c}"] = ape.data_ptr(), state.data_ptr()
+            pointers[f"ape_{c}"], pointers[f"state_{c}"] = ape.data_ptr(), state.data_ptr()
+        # the call's pointers in cpu_layer.POINTERS order, the bound ones in place (`__call__` fills the rest)
+        self.pointers = [pointers.get(name) for name in cpu_layer.POINTERS]
         self.mix_constants = mix_constants
         self.floats = (ctypes.c_float * len(cpu_layer.FLOATS))(
             mix_constants["hc_eps"], mix_constants["norm_eps"], cfg.rms_norm_eps, softmax_scale(cfg),
@@ -168,24 +190,21 @@ class FusedLayer:
         """The layer's output residual (its MoE's output unwritten, as `_Block` returns it)."""
         streams, output, post, comb = (as_read(t) for t in residual)
         out = Residual(torch.empty_like(streams), torch.empty_like(output), torch.empty_like(post), torch.empty_like(comb))
-        cos2, sin2 = step.tables[self.window]
-        variable = {"streams": streams, "output": output, "post": post, "comb": comb, "cos2": cos2, "sin2": sin2,
-                    "positions": step.positions, "slots": step.slots, "at": step.positions,
-                    "token_ids": step.token_ids, "streams_out": out.streams, "output_out": out.output,
-                    "post_out": out.post, "comb_out": out.comb}
-        pointers = dict(self.pointers, **{name: t.data_ptr() for name, t in variable.items()})
+        pointers = self.pointers.copy()
+        for at, tensor in zip(_RESIDUAL, (streams, output, post, comb, *out), strict=True):
+            pointers[at] = tensor.data_ptr()
+        for at, address in zip(_STEP, step.pointers[self.window], strict=True):
+            pointers[at] = address
         if self.ratio is not None:
-            count, pages, page_rows, exists, allowed = step.rows[self.ratio]
-            if count:
-                pointers.update(pages=pages.data_ptr(), page_rows=page_rows.data_ptr(), exists=exists.data_ptr(),
-                                allowed=allowed.data_ptr())
+            rows, feed = step.ratio_pointers[self.ratio]
+            if rows is None:  # no compressed row yet
+                pointers[_COMP_POOL] = None
             else:
-                pointers["comp_pool"] = None
-            indices = step.feeds[self.ratio][3]
+                for at, address in zip(_ROWS, rows, strict=True):
+                    pointers[at] = address
             for c in range(len(self.feeds)):
-                for name, t in zip(("state_slots", "state_rows", "update_slots", "update_rows", "update_sources"), indices,
-                                   strict=True):
-                    pointers[f"{name}_{c}"] = t.data_ptr()
-        cpu_layer.decode_layer([pointers.get(name) for name in cpu_layer.POINTERS], step.params(self), self.floats)
+                for at, address in zip(_FEED[c], feed, strict=True):
+                    pointers[at] = address
+        cpu_layer.decode_layer(pointers, step.params(self), self.floats)
         return out
 

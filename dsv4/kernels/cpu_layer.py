@@ -15,22 +15,27 @@ import torch
 
 from .cpu_library import available, entry
 
-__all__ = ["FLOATS", "PARAMS", "POINTERS", "Params", "available", "decode_layer", "layer_params"]
+__all__ = ["BACK", "FLOATS", "FRONT", "PARAMS", "POINTERS", "WHOLE", "Params", "available", "decode_layer", "layer_params",
+           "scratch_bytes"]
 
 # cpu/layer.c's ptr[] order: the residual; the attention's mix weights; its projections' weights and the
 # RoPE tables; the positions; two compressors' ape, state and plan rows; the attention's pools, rows and
-# sink; the exit's weights; the MoE's mix weights; the MoE's token ids, router and weights; the new residual
+# sink; the exit's weights; the MoE's mix weights; the MoE's token ids, router and weights; the new residual;
+# the intermediates kept between two phases (None: the call's own)
 POINTERS = ("streams", "output", "post", "comb", "attn_fn", "attn_base", "attn_scale", "attn_norm",
             "w_input", "q_norm", "wq_b", "kv_norm", "cos2", "sin2", "positions",
             *(f"{name}_{c}" for c in (0, 1) for name in ("ape", "state", "state_slots", "state_rows", "update_slots",
-                                                         "update_rows", "update_sources")),
+                                                         "update_rows", "update_sources", "window_sources", "windows")),
             "window", "slots", "at", "sink", "comp_pool", "pages", "page_rows", "exists", "allowed",
             "wo_a", "wo_b", "ffn_fn", "ffn_base", "ffn_scale", "ffn_norm",
             "token_ids", "gate", "route", "w13", "w2", "shared_w13", "shared_w2",
-            "streams_out", "output_out", "post_out", "comb_out")
+            "streams_out", "output_out", "post_out", "comb_out", "scratch")
 # cpu/layer.c's params[]: the layer's own p[] (`layer_params`), then each kernel's as its module builds it
 PARAMS = ("layer", "mix", "project", "feed_0", "feed_1", "attention", "exit", "route", "moe")
 FLOATS = ("hc_eps", "norm_eps", "project_eps", "attention_scale", "routed_scaling_factor", "swiglu_limit")
+# A call's phases (cpu/layer.c): FRONT through the compressors' feeds, which copy out the rows of the windows
+# that complete; BACK from the ring write on; WHOLE both
+FRONT, BACK, WHOLE = 1, 2, 3
 
 
 def layer_params(tokens: int, streams: int, hidden: int, width: int, q_rank: int, dim: int, heads: int,
@@ -53,13 +58,18 @@ class Params:
         self.pointers = (ctypes.c_void_p * len(PARAMS))(*map(ctypes.addressof, self.arrays))
 
 
-def decode_layer(pointers: Sequence[int | None], params: Params, floats: ctypes.Array) -> None:
-    """Runs cpu/layer.c's decode_layer: `pointers` in POINTERS order (None: absent), `floats` in FLOATS
-    order (a c_float array)."""
+def scratch_bytes(params: Params) -> int:
+    """The bytes of the intermediates a layer of these params keeps between its phases (its "scratch")."""
+    return entry("decode_layer_scratch")(params.arrays[0])
+
+
+def decode_layer(pointers: Sequence[int | None], params: Params, floats: ctypes.Array, phases: int = WHOLE) -> None:
+    """Runs cpu/layer.c's decode_layer's `phases`: `pointers` in POINTERS order (None: absent), `floats` in
+    FLOATS order (a c_float array)."""
     if len(pointers) != len(POINTERS) or len(floats) != len(FLOATS):
         raise RuntimeError(f"cpu decode_layer: {len(POINTERS)} pointers and {len(FLOATS)} floats (got "
                            f"{len(pointers)}, {len(floats)})")
-    status = entry("decode_layer")((ctypes.c_void_p * len(POINTERS))(*pointers), params.pointers, floats,
+    status = entry("decode_layer")((ctypes.c_void_p * len(POINTERS))(*pointers), params.pointers, floats, phases,
                                    torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"cpu decode_layer: a kernel could not allocate its scratch memory ({status})")

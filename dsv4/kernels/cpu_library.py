@@ -47,9 +47,11 @@ _SIGNATURES = {
     "norm_rope": [_POINTER] * 4 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "decode_index_queries": [_POINTER] * 5 + [_PARAMS, ctypes.c_int],
     "compressor_feed": [_POINTER] * 11 + [_PARAMS],
-    "decode_layer": [_POINTER] * 3 + [ctypes.c_int],
+    "decode_layer": [_POINTER] * 3 + [ctypes.c_int, ctypes.c_int],
+    "decode_layer_scratch": [_PARAMS],
     "amx_ready": [],
 }
+_RESULTS = {"decode_layer_scratch": ctypes.c_int64}  # (the others return a status)
 
 
 def as_read(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -108,5 +110,5 @@ def _library() -> ctypes.CDLL | None:
     log.info("cpu kernels: the AVX512-BF16 kernels are loaded (%s)", path)
     for name, arguments in _SIGNATURES.items():
         function = getattr(library, name)
-        function.argtypes, function.restype = arguments, ctypes.c_int
+        function.argtypes, function.restype = arguments, _RESULTS.get(name, ctypes.c_int)
     return library

@@ -55,14 +55,21 @@ class PagedCompressor:
             state[plan.update_slots, plan.update_rows] = updates.to(state.dtype)
         if windows.shape[0] == 0:  # no window completes (most decode steps): nothing to store
             return
+        self.store(windows, plan, rope, cache, row_format, projected.dtype, kernels=kernels)
+
+    def store(self, windows: torch.Tensor, plan: CompressPlan, rope: Rope, cache: torch.Tensor, row_format: str,
+              dtype: torch.dtype, *, kernels: bool) -> None:
+        """The rows of the windows the batch completes, from their slots `windows` [n, span, 2 * width] (at
+        least fp32, as `feed` returns them), pooled, rounded into the model's `dtype`, normed, rotated (`rope`
+        at plan.window_positions) and stored in `cache` as `advance` says."""
         if kernels:
-            units = torch.arange(windows.shape[0], device=projected.device)
+            units = torch.arange(windows.shape[0], device=windows.device)
             dispatch.compress_insert(windows, units, torch.zeros_like(units), plan.window_positions // self.ratio,
                                      rope.cos, rope.sin, self.norm, cache, plan.window_pages,
                                      plan.window_page_rows, ratio=self.ratio, row_format=row_format,
-                                     eps=self.norm_eps, model_dtype=projected.dtype)
+                                     eps=self.norm_eps, model_dtype=dtype)
             return
-        pooled = self._pool(windows).to(projected.dtype)
+        pooled = self._pool(windows).to(dtype)
         normed = rms_norm(pooled, self.norm, self.norm_eps)
         rows = rope.rotate_(normed)
         # "fp8" is the one index-key-only format; bf16 / fp32 rows are the same bytes either way.

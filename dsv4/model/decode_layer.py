@@ -4,11 +4,12 @@ them, from tensors bound once. A c=1 decode layer of `small` spent ~250 us in it
 in the Python and torch ops around them.
 
 `FusedLayer` binds a layer's weights, pools and constants at construction; `DecodeStep` prepares, once
-per forward, the batch's indices and RoPE tables that every layer reads. A layer runs fused where the
-step allows it (`FusedLayer.serves`): no window of its compressors' ratio completes in the step (the new
-compressed rows' pooling is the model's torch code) and its indexer does not select (contexts of at most
-index_topk compressed rows). Otherwise, and for batches that are not decode steps of at most
-cpu_project.KERNEL_TOKENS tokens, the layer runs as `_Block`. Both give the same bits."""
+per forward, the batch's indices and RoPE tables that every layer reads. A layer runs fused where its
+indexer (a CSA layer's) does not select (`FusedLayer.serves`: contexts of at most index_topk compressed
+rows). Where windows of its compressors complete in the step, it runs in two calls around the
+compressors' own pooling and storing of the new rows (PagedCompressor.store), which its attention reads.
+Otherwise, and for batches that are not decode steps of at most cpu_project.KERNEL_TOKENS tokens, the
+layer runs as `_Block`. Both give the same bits."""
 
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ _RESIDUAL = [_AT[name] for name in ("streams", "output", "post", "comb", "stream
 _STEP = [_AT[name] for name in ("cos2", "sin2", "positions", "slots", "at", "token_ids")]
 _ROWS = [_AT[name] for name in ("pages", "page_rows", "exists", "allowed")]
 _COMP_POOL = _AT["comp_pool"]
-_FEED = [[_AT[f"{name}_{c}"] for name in ("state_slots", "state_rows", "update_slots", "update_rows", "update_sources")]
-         for c in (0, 1)]
+_FEED = [[_AT[f"{name}_{c}"] for name in ("state_slots", "state_rows", "update_slots", "update_rows", "update_sources",
+                                         "window_sources")] for c in (0, 1)]
+_WINDOWS = [_AT["windows_0"], _AT["windows_1"]]
+_SCRATCH = _AT["scratch"]
 
 
 class DecodeStep:
@@ -56,17 +59,18 @@ class DecodeStep:
             self.indexer_selects[ratio] = count > index_topk
             self.rows[ratio] = (count, *((as_read(t, torch.int64) for t in (rows.pages, rows.page_rows)) if count else (None,) * 2),
                                 *((as_read(t, torch.bool) for t in (rows.exists, rows.visible[:, 0])) if count else (None,) * 2))
-        # By ratio: the compressors' feed (read, span, updates, and the plan's state_slots, state_rows,
-        # update_slots, update_rows, update_sources), None where a window completes
-        self.feeds = {}
+        # By ratio: the compressors' feed (state rows read, windows completed, the rows each pools, rows
+        # updated, and the plan's state_slots, state_rows, update_slots, update_rows, update_sources and
+        # window_sources)
+        self.compress, self.feeds = plan.compress, {}
         for ratio, compress in plan.compress.items():
-            if len(compress.window_positions):
-                self.feeds[ratio] = None
-                continue
             indices = [as_read(t, torch.int64) for t in (compress.state_slots, compress.state_rows, compress.update_slots,
-                                                         compress.update_rows, compress.update_sources)]
-            self.feeds[ratio] = (len(compress.state_slots), compress.window_sources.shape[1], len(compress.update_slots),
+                                                         compress.update_rows, compress.update_sources,
+                                                         compress.window_sources)]
+            self.feeds[ratio] = (len(compress.state_slots), *compress.window_sources.shape, len(compress.update_slots),
                                  indices)
+        self.inv_freq = ropes[False].inv_freq if False in ropes else None  # (the compressed layers')
+        self._window_ropes: dict[int, Rope] = {}
         self._params: dict[tuple, cpu_layer.Params] = {}
         # The addresses every layer's call reads: by kind of layer (a window layer's RoPE tables or a
         # compressed one's) the tables, positions, slots, positions again (the ring's) and token ids; by
@@ -75,8 +79,16 @@ class DecodeStep:
                                                           self.token_ids)]
                          for window, tables in self.tables.items()}
         self.ratio_pointers = {ratio: (None if rows[0] == 0 else [t.data_ptr() for t in rows[1:]],
-                                       None if self.feeds[ratio] is None else [t.data_ptr() for t in self.feeds[ratio][3]])
+                                       [t.data_ptr() for t in self.feeds[ratio][-1]])
                                for ratio, rows in self.rows.items()}
+
+    def window_rope(self, ratio: int, dtype: torch.dtype) -> Rope:
+        """RoPE at the positions of the windows of `ratio` that complete in the step, by the compressed
+        layers' frequencies, for a model of `dtype` (as the attention rotates their rows)."""
+        rope = self._window_ropes.get(ratio)
+        if rope is None:
+            rope = self._window_ropes[ratio] = Rope(self.compress[ratio].window_positions, self.inv_freq, dtype)
+        return rope
 
     @classmethod
     def of(cls, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int) -> DecodeStep | None:
@@ -109,12 +121,14 @@ class FusedLayer:
         self.shapes = {"width": w_input.shape[0], "q_rank": attn.q_norm.shape[0], "dim": attn.kv_norm.shape[0],
                        "heads": wq_b.shape[0] // attn.kv_norm.shape[0], "groups": wo_a.shape[0], "o_rank": wo_a.shape[1]}
         # the compressors fed: (ape, state, where its kv | gate columns start in the projected row)
-        self.feeds = []
+        self.layer, self.pools, self.feeds, self.stores = layer, pools, [], []
         if attn.compressor is not None:
             self.feeds.append((as_read(attn.compressor.ape, torch.float32), pools.compressor_state(layer), attn.rest_start))
+            self.stores.append((attn.compressor, pools.compressed_rows(layer), pools.main_format))
         if attn.index_compressor is not None:
             self.feeds.append((as_read(attn.index_compressor.ape, torch.float32), pools.indexer_state(layer),
                                attn.rest_start + attn.rest_widths[0]))
+            self.stores.append((attn.index_compressor, pools.index_keys(layer), pools.index_format))
         self.window_pool = pools.window(layer)
         self.compressed_pool = pools.compressed_rows(layer) if self.ratio is not None else None
         gate, route = ffn.router
@@ -157,11 +171,8 @@ class FusedLayer:
                 and pools.state_dtype == torch.float32)
 
     def serves(self, step: DecodeStep) -> bool:
-        """Whether this layer runs fused in `step`: no window of its compressors completes, and its indexer
-        (a CSA layer's) does not select."""
-        if self.ratio is None:
-            return True
-        return step.feeds[self.ratio] is not None and not (self.selects and step.indexer_selects[self.ratio])
+        """Whether this layer runs fused in `step`: its indexer (a CSA layer's) does not select."""
+        return not (self.selects and step.indexer_selects[self.ratio])
 
     def params(self, step: DecodeStep) -> list[tuple[int, ...]]:
         """The p[] of each of the layer's kernels for `step` (cpu_layer.PARAMS' order)."""
@@ -170,9 +181,9 @@ class FusedLayer:
         count = 0 if self.ratio is None else step.rows[self.ratio][0]
         feeds = []
         for ape, state, _ in self.feeds:
-            read, span, updates, _ = step.feeds[self.ratio]
-            feeds.append(cpu_compressor.feed_params(T, ape.shape[1], ape.shape[0], (s["width"], 1), dtype, state, read, 0,
-                                                    span, updates))
+            read, windows, span, updates, _ = step.feeds[self.ratio]
+            feeds.append(cpu_compressor.feed_params(T, ape.shape[1], ape.shape[0], (s["width"], 1), dtype, state, read,
+                                                    windows, span, updates))
         feeds += [(0,)] * (2 - len(feeds))
         return [cpu_layer.layer_params(T, n, hidden, s["width"], s["q_rank"], s["dim"], s["heads"], dtype,
                                        self.window_pool, [column for _, _, column in self.feeds], moe["tiles"]),
@@ -205,6 +216,27 @@ class FusedLayer:
             for c in range(len(self.feeds)):
                 for at, address in zip(_FEED[c], feed, strict=True):
                     pointers[at] = address
+            windows = step.feeds[self.ratio][1]
+            if windows:
+                self._around_new_rows(pointers, step, windows)
+                return out
         cpu_layer.decode_layer(pointers, step.params(self), self.floats)
         return out
+
+    def _around_new_rows(self, pointers: list, step: DecodeStep, windows: int) -> None:
+        """The layer's call in two phases around its compressors' storing of the rows of the `windows`
+        windows that complete in the step, as PagedAttention stores them: the attention reads them."""
+        params, span = step.params(self), step.feeds[self.ratio][2]
+        scratch = torch.empty(cpu_layer.scratch_bytes(params), dtype=torch.uint8)
+        slots = [torch.empty(windows, span, 2 * ape.shape[1]) for ape, _, _ in self.feeds]  # (fp32, as feed's)
+        pointers[_SCRATCH] = scratch.data_ptr()
+        for at, tensor in zip(_WINDOWS, slots, strict=False):
+            pointers[at] = tensor.data_ptr()
+        cpu_layer.decode_layer(pointers, params, self.floats, phases=cpu_layer.FRONT)
+        compress, rope = step.compress[self.ratio], step.window_rope(self.ratio, self.dtype)
+        for (compressor, cache, row_format), rows in zip(self.stores, slots, strict=True):
+            compressor.store(rows, compress, rope, cache, row_format, self.dtype, kernels=False)
+        if self.selects:  # (the index keys', as PagedAttention records them)
+            self.pools.record_index_keys(self.layer, compress.window_pages, compress.window_page_rows)
+        cpu_layer.decode_layer(pointers, params, self.floats, phases=cpu_layer.BACK)
 

@@ -10,8 +10,11 @@
  *   decode_exit            -> the attention sublayer's output y
  *   mhc_mix (the MoE's)    -> the new streams, post and comb, and the MoE's input
  *   moe_routed             -> the MoE's output, rounded into the model's dtype
- * Intermediates live in one scratch allocation; each kernel runs its own parallel region, as when called
- * alone. */
+ * A step in which windows of the layer's compressors complete runs in two calls around the model's pooling
+ * and storing of the new rows (which the attention then reads): phase FRONT (the mix, the projections and
+ * the feeds, whose windows' rows it copies out), then BACK (the rest), the intermediates kept between them
+ * in the caller's scratch (decode_layer_scratch bytes). Each kernel runs its own parallel region, as when
+ * called alone. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -45,13 +48,15 @@ enum {
   ATTN_FN, ATTN_BASE, ATTN_SCALE, ATTN_NORM,                       /* the attention's mix */
   W_INPUT, Q_NORM, WQ_B, KV_NORM, COS2, SIN2,                      /* its projections, the RoPE tables */
   POSITIONS,                                                       /* the tokens' positions */
-  APE_0, STATE_0, STATE_SLOTS_0, STATE_ROWS_0, UPDATE_SLOTS_0, UPDATE_ROWS_0, UPDATE_SOURCES_0, /* compressor */
-  APE_1, STATE_1, STATE_SLOTS_1, STATE_ROWS_1, UPDATE_SLOTS_1, UPDATE_ROWS_1, UPDATE_SOURCES_1, /* the indexer's */
+  /* the compressor's, then the indexer's: ape, state, the plan's rows, and where its new windows' rows go */
+  APE_0, STATE_0, STATE_SLOTS_0, STATE_ROWS_0, UPDATE_SLOTS_0, UPDATE_ROWS_0, UPDATE_SOURCES_0, WINDOW_SOURCES_0, WINDOWS_0,
+  APE_1, STATE_1, STATE_SLOTS_1, STATE_ROWS_1, UPDATE_SLOTS_1, UPDATE_ROWS_1, UPDATE_SOURCES_1, WINDOW_SOURCES_1, WINDOWS_1,
   WINDOW, SLOTS, AT, SINK, COMP_POOL, PAGES, PAGE_ROWS, EXISTS, ALLOWED, /* the attention */
   WO_A, WO_B,                                                      /* its exit */
   FFN_FN, FFN_BASE, FFN_SCALE, FFN_NORM,                           /* the MoE's mix */
   TOKEN_IDS, GATE, ROUTE, W13, W2, SHARED_W13, SHARED_W2,          /* the MoE */
   STREAMS_OUT, OUTPUT_OUT, POST_OUT, COMB_OUT,                     /* the new residual */
+  SCRATCH,                                                         /* the intermediates (NULL: allocated here) */
   POINTER_COUNT
 };
 /* params[]: each kernel's p[] as its wrapper builds it, and the layer's own (L_*) */
@@ -61,38 +66,59 @@ enum { P_LAYER, P_MIX, P_PROJECT, P_FEED_0, P_FEED_1, P_ATTENTION, P_EXIT, P_ROU
  * kv | gate columns start in the projected row, whether the MoE runs on AMX tiles */
 enum { L_TOKENS, L_STREAMS, L_HIDDEN, L_WIDTH, L_Q_RANK, L_DIM, L_HEADS, L_FP32, L_W, L_SLOT_STRIDE, L_RING_ROW,
        L_FEEDS, L_FEED_COLUMN_0, L_FEED_COLUMN_1, L_TILES, L_COUNT };
+enum { FRONT = 1, BACK = 2 }; /* `phases`: which of them a call runs */
 /* f[]: the mixes' hc_eps and norm eps, the projections' norm eps, the attention's scale, the MoE's
  * routed scaling factor and SwiGLU limit */
 enum { F_HC_EPS, F_NORM_EPS, F_PROJECT_EPS, F_ATTENTION_SCALE, F_SCALING, F_SWIGLU_LIMIT, FLOAT_COUNT };
 
-int decode_layer(void *const *ptr, const int64_t *const *params, const float *f, int threads) {
-  const int64_t *p = params[P_LAYER];
-  const int64_t T = p[L_TOKENS], n = p[L_STREAMS], hidden = p[L_HIDDEN], width = p[L_WIDTH], dim = p[L_DIM];
-  const int64_t heads = p[L_HEADS], size = p[L_FP32] ? 4 : 2;
-  /* the intermediates, each a multiple of 64 bytes */
-  const int64_t sizes[] = {T * n * hidden * size, T * hidden * size, T * n * 4, T * n * n * 4, T * heads * dim * size,
-                           T * dim * size, T * p[L_Q_RANK] * size, T * width * size, T * heads * dim * size,
-                           T * hidden * size, T * hidden * size, T * hidden * 4};
-  enum { MID_STREAMS, X, MID_POST, MID_COMB, Q, KV, QR, PROJECTED, ATTENDED, Y, MOE_X, MOE_OUT, PARTS };
-  char *at[PARTS];
-  int64_t total = 0;
-  for (int i = 0; i < PARTS; i++) total += round_up(sizes[i], 64);
-  char *scratch = aligned_alloc(64, (size_t)total);
-  if (!scratch) return 1;
-  for (int i = 0, offset = 0; i < PARTS; offset += (int)round_up(sizes[i], 64), i++) at[i] = scratch + offset;
+enum { MID_STREAMS, X, MID_POST, MID_COMB, Q, KV, QR, PROJECTED, ATTENDED, Y, MOE_X, MOE_OUT, PARTS };
 
-  int status = mhc_mix(ptr[STREAMS], ptr[OUTPUT], ptr[POST], ptr[COMB], ptr[ATTN_FN], ptr[ATTN_BASE], ptr[ATTN_SCALE],
-                       ptr[ATTN_NORM], at[MID_STREAMS], at[X], (float *)at[MID_POST], (float *)at[MID_COMB],
-                       params[P_MIX], f[F_HC_EPS], f[F_NORM_EPS], threads);
-  if (!status)
+/* Where each intermediate starts in the scratch (64-byte aligned); returns the scratch's bytes */
+static int64_t scratch_layout(const int64_t *p, int64_t starts[PARTS]) {
+  const int64_t T = p[L_TOKENS], n = p[L_STREAMS], hidden = p[L_HIDDEN], dim = p[L_DIM], heads = p[L_HEADS];
+  const int64_t size = p[L_FP32] ? 4 : 2;
+  const int64_t sizes[PARTS] = {T * n * hidden * size, T * hidden * size, T * n * 4, T * n * n * 4,
+                                T * heads * dim * size, T * dim * size, T * p[L_Q_RANK] * size, T * p[L_WIDTH] * size,
+                                T * heads * dim * size, T * hidden * size, T * hidden * size, T * hidden * 4};
+  int64_t total = 0;
+  for (int i = 0; i < PARTS; i++) starts[i] = total, total += round_up(sizes[i], 64);
+  return total;
+}
+
+/* The bytes of the scratch a layer of p[] (the layer's own) keeps between its two phases */
+int64_t decode_layer_scratch(const int64_t *p) {
+  int64_t starts[PARTS];
+  return scratch_layout(p, starts);
+}
+
+int decode_layer(void *const *ptr, const int64_t *const *params, const float *f, int phases, int threads) {
+  const int64_t *p = params[P_LAYER];
+  const int64_t T = p[L_TOKENS], hidden = p[L_HIDDEN], dim = p[L_DIM], size = p[L_FP32] ? 4 : 2;
+  int64_t starts[PARTS];
+  const int64_t total = scratch_layout(p, starts);
+  char *scratch = ptr[SCRATCH] ? ptr[SCRATCH] : aligned_alloc(64, (size_t)total);
+  if (!scratch) return 1;
+  char *at[PARTS];
+  for (int i = 0; i < PARTS; i++) at[i] = scratch + starts[i];
+
+  int status = 0;
+  if (phases & FRONT)
+    status = mhc_mix(ptr[STREAMS], ptr[OUTPUT], ptr[POST], ptr[COMB], ptr[ATTN_FN], ptr[ATTN_BASE], ptr[ATTN_SCALE],
+                     ptr[ATTN_NORM], at[MID_STREAMS], at[X], (float *)at[MID_POST], (float *)at[MID_COMB], params[P_MIX],
+                     f[F_HC_EPS], f[F_NORM_EPS], threads);
+  if (!status && phases & FRONT)
     status = decode_project(at[X], ptr[W_INPUT], ptr[Q_NORM], ptr[WQ_B], ptr[KV_NORM], ptr[COS2], ptr[SIN2], at[Q],
                             at[KV], at[QR], at[PROJECTED], params[P_PROJECT], f[F_PROJECT_EPS], threads);
-  for (int c = 0; c < p[L_FEEDS] && !status; c++) {
+  for (int c = 0; c < p[L_FEEDS] && !status && phases & FRONT; c++) {
     const int o = c * (APE_1 - APE_0);
     status = compressor_feed(at[PROJECTED] + p[L_FEED_COLUMN_0 + c] * size, ptr[POSITIONS], ptr[APE_0 + o],
-                             ptr[STATE_0 + o], ptr[STATE_SLOTS_0 + o], ptr[STATE_ROWS_0 + o], NULL,
-                             ptr[UPDATE_SLOTS_0 + o], ptr[UPDATE_ROWS_0 + o], ptr[UPDATE_SOURCES_0 + o], NULL,
-                             params[P_FEED_0 + c]);
+                             ptr[STATE_0 + o], ptr[STATE_SLOTS_0 + o], ptr[STATE_ROWS_0 + o], ptr[WINDOW_SOURCES_0 + o],
+                             ptr[UPDATE_SLOTS_0 + o], ptr[UPDATE_ROWS_0 + o], ptr[UPDATE_SOURCES_0 + o],
+                             ptr[WINDOWS_0 + o], params[P_FEED_0 + c]);
+  }
+  if (!(phases & BACK)) {
+    if (!ptr[SCRATCH]) free(scratch);
+    return status;
   }
   if (!status) {
     const int64_t *slots = ptr[SLOTS], *positions = ptr[AT];
@@ -120,6 +146,6 @@ int decode_layer(void *const *ptr, const int64_t *const *params, const float *f,
       else ((uint16_t *)ptr[OUTPUT_OUT])[i] = to_bf16(moe[i]);
     }
   }
-  free(scratch);
+  if (!ptr[SCRATCH]) free(scratch);
   return status;
 }

@@ -5,7 +5,8 @@ rotations done while the rows are in cache, rounded where the torch code rounds.
 - `project`: dsv4.model.attention.project_inputs;
 - `exit`: dsv4.model.attention.attention_exit;
 - `norm_rope`: for a prefill's tokens, the per-row norms and RoPE that follow project_inputs' products;
-- `index_queries`: dsv4.model.attention.index_queries' queries.
+- `index_queries`: dsv4.model.attention.index_queries' queries;
+- `logits`: the LM head's product (dsv4.model.model.PagedModel.forward's last).
 Their oracles are those functions (their tests run both against float64)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from .cpu_library import as_read, available, entry
 
-__all__ = ["KERNEL_TOKENS", "available", "exit", "index_queries", "norm_rope", "project"]
+__all__ = ["KERNEL_TOKENS", "available", "exit", "index_queries", "logits", "norm_rope", "project"]
 
 KERNEL_TOKENS = 8  # cpu/dots.h's BLOCK: the most rows that share each load of a weight
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -92,6 +93,19 @@ def index_queries(qr: torch.Tensor, wq_b: torch.Tensor, cos2: torch.Tensor, sin2
     params = (tokens, q_rank, heads, head_dim, cos2.shape[-1], qr.dtype == torch.float32)
     _run("decode_index_queries", [as_read(t) for t in (qr, wq_b, cos2, sin2)], (q,), params, None)
     return q
+
+
+def logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """x [T, hidden] (fp32 or bf16, T <= KERNEL_TOKENS) times head [vocab, hidden] bf16 -> fp32 logits [T,
+    vocab]: `linear(x, head).float()`, each product rounded into x's dtype."""
+    tokens, hidden = x.shape
+    _check("logits", x, [head], [], 0, hidden)
+    if head.dim() != 2 or head.shape[1] != hidden:
+        raise RuntimeError(f"cpu logits: head {tuple(head.shape)} does not fit x {tuple(x.shape)}")
+    out = torch.empty(tokens, head.shape[0])
+    _run("decode_logits", [as_read(x), as_read(head)], (out,), (tokens, hidden, head.shape[0], x.dtype == torch.float32),
+         None)
+    return out
 
 
 def norm_rope(rows: torch.Tensor, weight: torch.Tensor | None, cos2: torch.Tensor, sin2: torch.Tensor, *,

@@ -57,8 +57,10 @@ class DecodeStep:
         for ratio, rows in group.compressed.items():
             count = rows.pages.shape[1]
             self.indexer_selects[ratio] = count > index_topk
-            self.rows[ratio] = (count, *((as_read(t, torch.int64) for t in (rows.pages, rows.page_rows)) if count else (None,) * 2),
-                                *((as_read(t, torch.bool) for t in (rows.exists, rows.visible[:, 0])) if count else (None,) * 2))
+            self.rows[ratio] = (0, None, None, None, None)
+            if count:
+                self.rows[ratio] = (count, as_read(rows.pages, torch.int64), as_read(rows.page_rows, torch.int64),
+                                    as_read(rows.exists, torch.bool), as_read(rows.visible[:, 0], torch.bool))
         # By ratio: the compressors' feed (state rows read, windows completed, the rows each pools, rows
         # updated, and the plan's state_slots, state_rows, update_slots, update_rows, update_sources and
         # window_sources)
@@ -134,8 +136,8 @@ class FusedLayer:
         gate, route = ffn.router
         w13, w2, shared_w13, shared_w2 = ffn.kernel_weights
         self.moe = {"experts": gate.shape[0], "hidden": w13.shape[-1], "inter": w2.shape[-1], "tiles": ffn.tiles,
-                    "shared": 0 if shared_w2 is None else shared_w2.shape[-1], "hashed": route.dtype == torch.long,
-                    "routing": {k: v for k, v in ffn.routing.items() if k != "routed_scaling_factor"}}
+                    "shared": 0 if shared_w2 is None else shared_w2.shape[-1], "hashed": route.dtype == torch.long}
+        self.routing = {k: v for k, v in ffn.routing.items() if k != "routed_scaling_factor"}  # (moe_route's p[])
         # Every bound tensor, held here (the pointers below are theirs), contiguous (a copy, once, of one that
         # is not: the kernels' wrappers would copy it at every call)
         bound = {"attn_fn": block.attn_hc.weights[0], "attn_base": block.attn_hc.weights[1],
@@ -156,8 +158,11 @@ class FusedLayer:
         self.floats = (ctypes.c_float * len(cpu_layer.FLOATS))(
             mix_constants["hc_eps"], mix_constants["norm_eps"], cfg.rms_norm_eps, softmax_scale(cfg),
             ffn.routing["routed_scaling_factor"], cfg.swiglu_limit)
-        # Layers of one kind share their kernels' p[] in a step
-        self.kind = (self.window, self.ratio, self.shapes["width"], tuple((f[1].stride(), f[2]) for f in self.feeds))
+        # Layers of one kind share their kernels' p[] in a step: everything `params` reads of the layer
+        pools_read = (self.window_pool, self.compressed_pool)
+        self.kind = (self.window, self.ratio, tuple(self.shapes.items()), tuple(self.moe.items()), tuple(self.routing.items()),
+                     tuple((ape.shape, state.stride(), column) for ape, state, column in self.feeds),
+                     tuple(None if pool is None else (pool.shape[1:], pool.stride()) for pool in pools_read))
 
     @staticmethod
     def usable(block, pools: StatePools, dtype: torch.dtype, mix: object) -> bool:
@@ -193,8 +198,8 @@ class FusedLayer:
                 cpu_attention.decode_params(T, s["heads"], s["dim"], dtype, self.window_pool,
                                             self.compressed_pool if count else None, count),
                 cpu_project.exit_params(T, s["heads"], s["dim"], s["groups"], s["o_rank"], hidden, rope, dtype),
-                cpu_moe.route_params(T, hidden, moe["experts"], dtype=dtype, hashed=moe["hashed"], **moe["routing"]),
-                cpu_moe.moe_params(T, T * moe["routing"]["top_k"], moe["routing"]["local_experts"], hidden, moe["inter"],
+                cpu_moe.route_params(T, hidden, moe["experts"], dtype=dtype, hashed=moe["hashed"], **self.routing),
+                cpu_moe.moe_params(T, T * self.routing["top_k"], self.routing["local_experts"], hidden, moe["inter"],
                                    moe["shared"], dtype)]
 
     def __call__(self, residual: Residual, step: DecodeStep) -> Residual:

@@ -13,6 +13,7 @@ import logging
 import torch
 
 from dsv4.config import WINDOW, ModelConfig
+from dsv4.kernels import cpu_mhc, cpu_project
 from dsv4.memory.pools import StatePools
 
 from .attention import PagedAttention
@@ -20,7 +21,7 @@ from .compile import Pieces, eager_pieces
 from .decode_layer import DecodeStep, FusedLayer
 from .mhc import HyperConnection, Residual, hc_head
 from .moe import GroupedMoE
-from .ops import Rope, accumulation_dtype, layer_inv_freq, linear, rms_norm
+from .ops import Rope, accumulation_dtype, as_bf16, layer_inv_freq, linear, rms_norm
 from .plan import BatchPlan
 from .selection import SelectionSink
 from .sharding import Reducer, ShardPlan
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 # How the log names the fp32 weights whose bf16 copies the CPU's C kernels read, by kind (scripts/bench
 # reads it to count their bytes)
 KERNEL_COPIES_LOGGED = {"projections": "the attention's kernels read bf16 copies of the fp32 projections",
-                        "experts": "the MoE kernel reads bf16 copies of the fp32 experts' weights"}
+                        "experts": "the MoE kernel reads bf16 copies of the fp32 experts' weights",
+                        "head": "the head's kernel reads a bf16 copy of the fp32 head"}
 
 # Tensors kept in at least fp32 whatever the compute dtype, as the reference keeps them: they feed
 # the fp32 math (mHC, norms, sinks, compressor scores, routing).
@@ -53,6 +55,7 @@ class PagedModel:
         w = _WeightReader(weights, dtype, accumulation_dtype(dtype), pools.device)
         self.embed, self.head, self.norm = w("embed.weight"), w("head.weight"), w("norm.weight")
         self.hc_head_weights = (w("hc_head_fn"), w("hc_head_base"), w("hc_head_scale"))
+        self.head_kernel = self._head_kernel(cfg)
         self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce) for i in range(cfg.num_layers)]
         # Each layer of a decode step as one C call where the CPU's kernels take all of it (None: they do not)
         self.fused = [FusedLayer(cfg, i, block, pools, dtype, self.pieces.mix.keywords)
@@ -61,7 +64,8 @@ class PagedModel:
         kernels_read = {"projections": [w for block in self.blocks if block.attn.kernel_weights is not None
                                         for w in (*block.attn.kernel_weights, block.attn.index_kernel_weight)],
                         "experts": [w for block in self.blocks if block.ffn.kernel_weights is not None
-                                    for w in block.ffn.kernel_weights]}
+                                    for w in block.ffn.kernel_weights],
+                        "head": [] if self.head_kernel is None else [self.head_kernel[0]]}
         for kind, weights_read in kernels_read.items():
             copies = [w for w in weights_read if w is not None and w.dtype != dtype]
             if copies:
@@ -88,9 +92,32 @@ class PagedModel:
                 residual = fused(residual, step)
             else:
                 residual = block(residual, plan, ropes[block.window], on_selection, self.pieces)
-        last = residual.rows(torch.cat([plan.sample_tokens, plan.prompt_tokens])).written()
-        x = hc_head(last, *self.hc_head_weights, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+        if step is not None and not len(plan.prompt_tokens) and len(plan.sample_tokens) == step.tokens:
+            last = residual  # (every token's row, in order)
+        else:
+            last = residual.rows(torch.cat([plan.sample_tokens, plan.prompt_tokens]))
+        if self.head_kernel is not None and last.output.shape[0] <= cpu_project.KERNEL_TOKENS:
+            head, *mix_weights = self.head_kernel
+            return cpu_project.logits(self.pieces.mix(*last, *mix_weights)[1], head)
+        x = hc_head(last.written(), *self.hc_head_weights, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         return linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.head).float()
+
+    def _head_kernel(self, cfg: ModelConfig) -> tuple[torch.Tensor, ...] | None:
+        """The head of a few rows as two C calls where the CPU's kernels serve (None: they do not): the
+        streams written, collapsed as `hc_head` collapses them and normed by the mix kernel (cpu_mhc.mix), whose
+        `pre` weights are hc_head's (its post and comb weights zero, their results unused), then the product
+        with a bf16 head (cpu_project.logits): the head's bf16 copy, and the mix's weights."""
+        copies = as_bf16(self.head) if cpu_project.available() else None
+        if copies is None or getattr(self.pieces.mix, "func", None) is not cpu_mhc.mix:
+            return None
+        fn, base, scale = self.hc_head_weights
+        n = cfg.hc_mult
+        mixes = (2 + n) * n
+        padded_fn = fn.new_zeros(mixes, fn.shape[1])
+        padded_fn[:n] = fn
+        padded_base, padded_scale = base.new_zeros(mixes), scale.new_zeros(mixes)
+        padded_base[:n], padded_scale[:n] = base, scale
+        return copies[0], padded_fn, padded_base, padded_scale, self.norm
 
 
 class _Block:

@@ -23,11 +23,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _ROUTED_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 # The weights an fp32 server's decode steps read as bf16 copies when every one holds bf16 values, by
 # kind: the attention's input and output projections (dsv4/model/compile.py `_bf16_twins`) and the
-# experts' (the same, or the MoE's C kernel's copies: dsv4.model.moe._kernel_weights)
+# experts' (the same, or the MoE's C kernel's copies: dsv4.model.moe._kernel_weights), and the head (the head's kernel's)
 _BF16_COPIES = {
     "projections": re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|compressor\.(wkv|wgate)|"
                               r"indexer\.(weights_proj|compressor\.(wkv|wgate)))\.weight$"),
-    "experts": re.compile(r"\.(experts\.\d+|shared_experts)\.w[123]\.weight$")}
+    "experts": re.compile(r"\.(experts\.\d+|shared_experts)\.w[123]\.weight$"),
+    "head": re.compile(r"^head\.weight$")}
 
 
 class _StepClock(BaseStreamer):

@@ -7,7 +7,7 @@ import torch
 
 from dsv4.kernels import cpu_project
 from dsv4.model import attention
-from dsv4.model.ops import rms_norm, rotate_
+from dsv4.model.ops import linear, rms_norm, rotate_
 
 pytestmark = pytest.mark.skipif(not cpu_project.available(), reason="the CPU lacks AVX512-BF16 or a C compiler")
 
@@ -139,3 +139,26 @@ def test_index_queries_match_index_queries(tokens, q_rank, heads, dim, rope, dty
     want, _ = attention.index_queries(qr, weights, wq_b.to(dtype), cos2, sin2, head_dim=dim, scale=1.0)
     exact, _ = attention.index_queries(*(t.double() for t in (qr, weights, wq_b, cos2, sin2)), head_dim=dim, scale=1.0)
     assert_close(got, want, exact, dtype, "index queries")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden,vocab", [(1, 512, 512), (3, 72, 200), (cpu_project.KERNEL_TOKENS, 64, 129)])
+def test_logits_match_the_head_product(rows, hidden, vocab, dtype):
+    """The LM head's product (small's shapes first; others off the kernels' lanes) against the model's,
+    `linear(x, head).float()`, and float64."""
+    g = torch.Generator().manual_seed(rows + hidden)
+    head = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).bfloat16()
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    got = cpu_project.logits(x, head)
+    want = linear(x, head.to(dtype)).float()
+    assert_close(got, want, x.double() @ head.double().T, dtype, "logits")
+
+
+def test_logits_refuse_what_they_cannot_compute():
+    x, head = torch.randn(2, 64), torch.randn(100, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="weights must be bf16"):
+        cpu_project.logits(x, head.float())
+    with pytest.raises(RuntimeError, match="does not fit"):
+        cpu_project.logits(x, head[:, :32])
+    with pytest.raises(RuntimeError, match="at most"):
+        cpu_project.logits(torch.randn(cpu_project.KERNEL_TOKENS + 1, 64), head)

@@ -100,3 +100,25 @@ def test_only_batches_of_decode_tokens_alone_run_fused(tiny_ckpt, monkeypatch):
     assert not calls
     runner.forward(ForwardBatch(tick=3, chunks=(chunk(0, 0, len(prompt) + 1, [5]),)))
     assert len(calls) == runner.cfg.num_layers  # (position 38: no window completes, the indexer does not select)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_head_kernel_equals_the_torch_head(tiny_ckpt, dtype):
+    """The head of a few rows through the mix kernel and cpu_project.logits (PagedModel.head_kernel) against
+    hc_head, the norm and the product in torch: the same logits within the dtype's rounding."""
+    runner = make_runner(tiny_ckpt, dtype)
+    model, cfg = runner.model, runner.cfg
+    kernel = model.head_kernel
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=generator).tolist() for n in PROMPTS]
+    logits = []
+    for copy, head in enumerate((kernel, None)):
+        model.head_kernel = head
+        prefill = runner.forward(ForwardBatch(tick=1, chunks=tuple(chunk(copy, r, 0, ids) for r, ids in enumerate(prompts))))
+        step = runner.forward(ForwardBatch(tick=2, chunks=tuple(chunk(copy, r, n, [7]) for r, n in enumerate(PROMPTS))))
+        logits.append(torch.cat([prefill, step]))
+    model.head_kernel = kernel
+    tolerance = {"float32": 1e-5, "bfloat16": 2e-2}[dtype]
+    assert (logits[0] - logits[1]).abs().max() <= tolerance * logits[1].abs().max()
+    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).all()

@@ -12,6 +12,8 @@
  * RoPE (or the exit's inverse RoPE) in place.
  * decode_index_queries: dsv4.model.attention.index_queries' queries. The low-rank query times the
  * indexer's wq_b, each head's RoPE.
+ * decode_logits: the LM head of a few rows (dsv4.model.model.PagedModel's last product), fp32 logits of
+ * the model's dtype's values.
  *
  * Each phase's rows are split over torch's OpenMP team (see attention.c), a barrier between phases. */
 
@@ -33,6 +35,8 @@ enum { X_TOKENS, X_HEADS, X_DIM, X_GROUPS, X_O_RANK, X_HIDDEN, X_ROPE, X_FP32, X
 enum { N_TOKENS, N_HEADS, N_DIM, N_ROPE, N_FP32, N_NORM, N_INVERSE, N_COUNT };
 /* decode_index_queries' p[]: tokens, q_lora_rank, the indexer's heads, its head_dim, RoPE dims, fp32 */
 enum { I_TOKENS, I_Q_RANK, I_HEADS, I_DIM, I_ROPE, I_FP32, I_COUNT };
+/* decode_logits' p[]: rows, the hidden size, the vocabulary, fp32 */
+enum { H_ROWS, H_HIDDEN, H_VOCAB, H_FP32, H_COUNT };
 
 /* v rounded into the model's dtype and stored at base[i] */
 static inline void store_at(void *base, int64_t i, int fp32, float v) {
@@ -187,6 +191,23 @@ int decode_index_queries(const void *qr, const uint16_t *wq_b, const float *cos2
     for (int64_t item = 0; item < tokens * heads; item++)
       norm_and_rotate((char *)q + item * dim * size, dim, fp32, 0, NULL, 0.0f, cos2 + item / heads * rope,
                       sin2 + item / heads * rope, rope, 0);
+  }
+  return 0;
+}
+
+/* x [rows, hidden] (the model's dtype), head [vocab, hidden] -> logits [rows, vocab] fp32: each product
+ * rounded into the model's dtype (F.linear's result), then widened (the logits' .float()) */
+int decode_logits(const void *x, const uint16_t *head, float *logits, const int64_t *p, int threads) {
+  const int64_t rows = p[H_ROWS], hidden = p[H_HIDDEN], vocab = p[H_VOCAB];
+  const int fp32 = (int)p[H_FP32];
+  if (rows > BLOCK) return 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t v = 0; v < vocab; v++) {
+    const void *at[BLOCK];
+    float sums[BLOCK];
+    for (int64_t t = 0; t < rows; t++) at[t] = (const char *)x + t * hidden * (fp32 ? 4 : 2);
+    dots(head + v * hidden, at, (int)rows, hidden, fp32, sums);
+    for (int64_t t = 0; t < rows; t++) logits[t * vocab + v] = as_model(sums[t], fp32);
   }
   return 0;
 }

@@ -135,15 +135,21 @@ def build_plan(cfg: ModelConfig, batch: ForwardBatch, page_size: int) -> BatchPl
     positions, token_chunk = _ragged_arange(chunks.start, chunks.end)
     prompt_rows = [int(chunks.offset[row_of[id(c)]]) + p - c.start_pos
                    for c in batch.chunks for p in c.prompt_logit_positions()]
+    if len(decodes) == len(order) and not batch.captures:  # decode tokens alone: the same plan in closed form
+        ring_write = RingWrite(_tensor(chunks.slot), _tensor(chunks.start % cfg.sliding_window), _tensor(token_chunk))
+        compress = {r: _decode_compress_plan(chunks, r, _state_rows(cfg, r)) for r in ratios}
+    else:
+        ring_write = _concat_writes(_ring_write(chunks, cfg.sliding_window),
+                                    captures.rows_before(cfg.sliding_window, ring=True))
+        compress = {r: _compress_plan(chunks, r, _state_rows(cfg, r), captures) for r in ratios}
     return BatchPlan(
         token_ids=_tensor([t for c in order for t in c.token_ids]),
         positions=_tensor(positions),
         sample_tokens=_tensor(chunks.offset[sampled] + chunks.length[sampled] - 1),
         prompt_tokens=_tensor(prompt_rows),
         groups=tuple(groups),
-        ring_write=_concat_writes(_ring_write(chunks, cfg.sliding_window),
-                                  captures.rows_before(cfg.sliding_window, ring=True)),
-        compress={r: _compress_plan(chunks, r, _state_rows(cfg, r), captures) for r in ratios},
+        ring_write=ring_write,
+        compress=compress,
         rids=tuple(c.rid for c in order),
         token_chunk=_tensor(token_chunk),
         page_table=_tensor(chunks.page_table),
@@ -281,7 +287,6 @@ def _compress_plan(chunks: _Chunks, ratio: int, state_rows: int, captures: _Capt
     windows, owner = _ragged_arange(start // ratio, end // ratio)  # the windows this batch completes
     first = windows * ratio
     window_sources = source(first[:, None] + np.arange(-lookback, ratio), owner[:, None])
-    window_pages, window_page_rows = chunks.page_coordinates(owner, first, ratio)
 
     # The new state: the overlap window and the partial one; rows from before the chunk that stay
     # where they are (no window completed) are left alone.
@@ -290,7 +295,44 @@ def _compress_plan(chunks: _Chunks, ratio: int, state_rows: int, captures: _Capt
     kept, kept_owner = _ragged_arange(low, end)
     update_sources = source(kept, kept_owner)
 
-    # Renumber into `source` order: the state rows actually read, then tokens, then the empty row.
+    # At a captured boundary (a multiple of the ratio) the state is the overlap window alone, rows
+    # 0 .. lookback - 1, as `update_rows` numbers them.
+    captured = captures.rows_before(lookback, ring=False)
+    return _numbered_plan(chunks, ratio, state_rows, owner, first, window_sources,
+                          np.concatenate([chunks.slot[kept_owner], captured.slots]),
+                          np.concatenate([kept - new_window_start[kept_owner] + lookback, captured.rows]),
+                          np.concatenate([update_sources, captured.tokens]))  # token t: virtual row t
+
+
+def _decode_compress_plan(chunks: _Chunks, ratio: int, state_rows: int) -> CompressPlan:
+    """`_compress_plan` for a batch of one-token chunks none of which captures a boundary, in closed form
+    (~3x cheaper): chunk i's token (row i) at position p completes a window where p + 1 is a multiple
+    of the ratio, which pools positions p + 1 - ratio - lookback .. p; each chunk's state keeps its
+    token's row, or where it completes a window the lookback rows ending at it."""
+    lookback = state_rows - ratio
+    p, empty = chunks.start, chunks.num_tokens
+    window_start = p - p % ratio
+    state = empty + 1 + chunks.slot * state_rows + lookback - window_start  # + q: position q's virtual state row
+    done = (p + 1) % ratio == 0
+    owner = np.flatnonzero(done)
+    first = window_start[owner]
+    pooled = first[:, None] + np.arange(-lookback, ratio)
+    window_sources = np.where(pooled < 0, empty,
+                              np.where(pooled == p[owner, None], owner[:, None], state[owner, None] + pooled))
+    kept, kept_owner = _ragged_arange(np.where(done, np.maximum(p + 1 - lookback, 0), p), p + 1)
+    new_window_start = np.where(done, p + 1, window_start)
+    return _numbered_plan(chunks, ratio, state_rows, owner, first, window_sources, chunks.slot[kept_owner],
+                          kept - new_window_start[kept_owner] + lookback,
+                          np.where(kept == p[kept_owner], kept_owner, state[kept_owner] + kept))
+
+
+def _numbered_plan(chunks: _Chunks, ratio: int, state_rows: int, owner: np.ndarray, first: np.ndarray,
+                   window_sources: np.ndarray, update_slots: np.ndarray, update_rows: np.ndarray,
+                   update_sources: np.ndarray) -> CompressPlan:
+    """The plan of windows starting at positions `first` of chunks `owner`, their rows `window_sources`
+    and the updates' `update_sources` in the virtual numbering of `_compress_plan`, renumbered into
+    `source` order: the state rows actually read, then tokens, then the empty row."""
+    first_state = chunks.num_tokens + 1
     virtual = np.concatenate([window_sources.ravel(), update_sources])
     state_refs = np.unique(virtual[virtual >= first_state]) - first_state
     n_read = state_refs.size
@@ -299,10 +341,7 @@ def _compress_plan(chunks: _Chunks, ratio: int, state_rows: int, captures: _Capt
         rank = np.searchsorted(state_refs, np.maximum(v - first_state, 0))
         return np.where(v >= first_state, rank, v + n_read)
 
-    # At a captured boundary (a multiple of the ratio) the state is the overlap window alone, rows
-    # 0 .. lookback - 1, as `update_rows` numbers them.
-    captured = captures.rows_before(lookback, ring=False)
-
+    window_pages, window_page_rows = chunks.page_coordinates(owner, first, ratio)
     return CompressPlan(
         ratio=ratio,
         state_slots=_tensor(state_refs // state_rows),
@@ -311,9 +350,9 @@ def _compress_plan(chunks: _Chunks, ratio: int, state_rows: int, captures: _Capt
         window_positions=_tensor(first),
         window_pages=_tensor(window_pages),
         window_page_rows=_tensor(window_page_rows),
-        update_slots=_tensor(np.concatenate([chunks.slot[kept_owner], captured.slots])),
-        update_rows=_tensor(np.concatenate([kept - new_window_start[kept_owner] + lookback, captured.rows])),
-        update_sources=_tensor(renumber(np.concatenate([update_sources, captured.tokens]))),  # token t: virtual row t
+        update_slots=_tensor(update_slots),
+        update_rows=_tensor(update_rows),
+        update_sources=_tensor(renumber(update_sources)),
     )
 
 

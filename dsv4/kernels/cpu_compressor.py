@@ -1,7 +1,11 @@
-"""A batch's tokens through a compressor's partial state as one C call (cpu/feed.c), for bf16 or fp32
-models whose state is fp32: dsv4.model.compressor.feed together with the state's own gather and
-scatter (`PagedCompressor.advance`'s), the same values to the bit (every row is copied or made as
-`feed` makes it: kv widened, gate + ape in fp32). Its oracle is `feed` (its test runs both)."""
+"""A compressor's work as C calls, for bf16 or fp32 models whose state is fp32:
+- `feed` (cpu/feed.c): a batch's tokens through the partial state, dsv4.model.compressor.feed together
+  with the state's own gather and scatter (`PagedCompressor.advance`'s), the same values to the bit (every
+  row is copied or made as `feed` makes it: kv widened, gate + ape in fp32);
+- `store` (cpu/project.c): the rows of the windows the batch completes pooled, normed, rotated and packed
+  into the cache where they lie (`PagedCompressor.store`'s torch code, a dozen ops a compressor; the
+  softmax's exp within 2 ulp of torch's).
+Their oracles are `feed` and the torch code of `PagedCompressor.store` (their tests run both)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import torch
 
 from .cpu_library import as_read, available, entry
 
-__all__ = ["available", "feed", "serves"]
+__all__ = ["STORE_FORMATS", "available", "feed", "serves", "store", "stores"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -20,6 +24,51 @@ def serves(projected: torch.Tensor, state: torch.Tensor) -> bool:
     """Whether `feed` runs for these rows and this state."""
     return (projected.device.type == "cpu" and projected.dtype in _DTYPES and state.dtype == torch.float32
             and available())
+
+
+# The row formats `store` packs (cpu/project.c's STORE_*): the fp32 or bf16 values of a main or index-key
+# row, or an index-key row's fp8 (dsv4/kernels/rows.py)
+STORE_FORMATS = ("fp32", "bf16", "fp8")
+
+
+def stores(windows: torch.Tensor, dtype: torch.dtype, row_format: str) -> bool:
+    """Whether `store` packs these windows' rows, of a model of `dtype`, as `row_format`."""
+    return (windows.is_cpu and windows.dtype == torch.float32 and dtype in _DTYPES and row_format in STORE_FORMATS
+            and available())
+
+
+def store(windows: torch.Tensor, norm: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, cache: torch.Tensor,
+          pages: torch.Tensor, page_rows: torch.Tensor, *, ratio: int, overlap: bool, eps: float, dtype: torch.dtype,
+          row_format: str) -> None:
+    """windows [W, span, 2 * width] fp32 (the slots of the windows a batch completes, as `feed` returns
+    them), the rows' norm [dims] fp32, RoPE tables cos2, sin2 [W, R] fp32 at the windows' positions ->
+    each window's row, in the model's `dtype` (fp32 or bf16), packed as `row_format` (STORE_FORMATS) into
+    `cache` (uint8 [pages, rows, row bytes]) at (pages[w], page_rows[w])."""
+    count, span, double_width = windows.shape
+    dims, rope = norm.shape[0], cos2.shape[-1]
+    row_bytes = {"fp32": 4 * dims, "bf16": 2 * dims, "fp8": dims + 4}.get(row_format)
+    problems = []
+    if windows.dtype != torch.float32 or not windows.is_cpu or double_width != 2 * dims * (2 if overlap else 1):
+        problems.append(f"windows must be fp32 [W, span, {2 * dims * (2 if overlap else 1)}] on the CPU (got "
+                        f"{windows.dtype} {tuple(windows.shape)})")
+    if dtype not in _DTYPES or row_bytes is None:
+        problems.append(f"no rows of a {dtype} model as {row_format!r}")
+    if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[2] != row_bytes or cache.stride(2) != 1:
+        problems.append(f"cache must be uint8 [pages, rows, {row_bytes}] with contiguous rows (got {tuple(cache.shape)})")
+    if any(t.dtype != torch.float32 for t in (norm, cos2, sin2)) or cos2.shape != (count, rope) or rope % 2 or rope > dims:
+        problems.append("the norm and RoPE tables must be fp32, the tables [W, an even number of dims up to the rows']")
+    if pages.shape != (count,) or page_rows.shape != (count,) or span > 1024:
+        problems.append(f"pages and page_rows must be [W], a window at most 1024 slots (got {span})")
+    if problems:
+        raise RuntimeError("cpu compressor store: " + "; ".join(problems))
+    params = (count, span, double_width // 2, dims, ratio, overlap, rope, dtype == torch.float32,
+              STORE_FORMATS.index(row_format), cache.stride(0), cache.stride(1))
+    inputs = [as_read(windows), as_read(norm), as_read(cos2), as_read(sin2), cache, as_read(pages, torch.int64),
+              as_read(page_rows, torch.int64)]
+    status = entry("compressor_store")(*(t.data_ptr() for t in inputs), (ctypes.c_int64 * len(params))(*params), eps,
+                                       torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"cpu compressor store: windows of {span} slots are past its 1024")
 
 
 def feed_params(tokens: int, width: int, ratio: int, strides: tuple[int, int], dtype: torch.dtype, state: torch.Tensor,

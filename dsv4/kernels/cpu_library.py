@@ -47,6 +47,7 @@ _SIGNATURES = {
     "norm_rope": [_POINTER] * 4 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "decode_index_queries": [_POINTER] * 5 + [_PARAMS, ctypes.c_int],
     "decode_logits": [_POINTER] * 3 + [_PARAMS, ctypes.c_int],
+    "compressor_store": [_POINTER] * 7 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "compressor_feed": [_POINTER] * 11 + [_PARAMS],
     "decode_layer": [_POINTER] * 3 + [ctypes.c_int, ctypes.c_int],
     "decode_layer_scratch": [_PARAMS],

@@ -62,6 +62,11 @@ class PagedCompressor:
         """The rows of the windows the batch completes, from their slots `windows` [n, span, 2 * width] (at
         least fp32, as `feed` returns them), pooled, rounded into the model's `dtype`, normed, rotated (`rope`
         at plan.window_positions) and stored in `cache` as `advance` says."""
+        if not kernels and cpu_compressor.stores(windows, dtype, row_format):  # one C call
+            cpu_compressor.store(windows, self.norm, rope.cos2, rope.sin2, cache, plan.window_pages,
+                                 plan.window_page_rows, ratio=self.ratio, overlap=self.overlap, eps=self.norm_eps,
+                                 dtype=dtype, row_format=row_format)
+            return
         if kernels:
             units = torch.arange(windows.shape[0], device=windows.device)
             dispatch.compress_insert(windows, units, torch.zeros_like(units), plan.window_positions // self.ratio,

@@ -1,11 +1,14 @@
-"""The compressors' feed as one C call (dsv4/kernels/cpu_compressor.py) against its torch code
-(dsv4.model.compressor.feed with the state's gather and scatter, as PagedCompressor.advance runs it)."""
+"""The compressors' feed and store as C calls (dsv4/kernels/cpu_compressor.py) against their torch code
+(dsv4.model.compressor.feed with the state's gather and scatter, as PagedCompressor.advance runs it, and
+PagedCompressor.store's pooling, norm, rotation and packing)."""
 
 import pytest
 import torch
 
 from dsv4.kernels import cpu_compressor
+from dsv4.kernels.rows import pack_index_rows
 from dsv4.model import compressor
+from dsv4.model.ops import Rope
 
 pytestmark = pytest.mark.skipif(not cpu_compressor.available(), reason="the CPU lacks AVX512-BF16 or a C compiler")
 
@@ -69,3 +72,61 @@ def test_rejects_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="do not fit one another"):
         cpu_compressor.feed(torch.zeros(1, 32), torch.zeros(1), torch.zeros(4, 16), state, *plan[:5],
                             torch.zeros(2, dtype=torch.long))
+
+
+def store_case(ratio: int, overlap: bool, dims: int, count: int, g: torch.Generator):
+    """`count` windows' slots as the feed copies them out (kv | score, the scores with position biases; window
+    0's missing predecessor as the empty row, kv 0 and score -inf), a norm and RoPE tables, a compressor."""
+    width, span = dims * (2 if overlap else 1), ratio * (2 if overlap else 1)
+    windows = torch.cat([torch.randn(count, span, width, generator=g), torch.randn(count, span, width, generator=g) * 3],
+                        dim=-1)
+    if overlap:
+        windows[0, :ratio, :width], windows[0, :ratio, width:] = 0.0, float("-inf")
+    norm = torch.rand(dims, generator=g) + 0.5
+    rope = Rope(torch.randint(0, 100_000, (count,), generator=g), torch.rand(16, generator=g), torch.float32)
+    ape = torch.zeros(ratio, width)
+    return windows, rope, compressor.PagedCompressor(ape, norm, ratio=ratio, overlap=overlap, norm_eps=1e-6)
+
+
+def stored(comp, windows, rope, dtype, row_format, row_bytes, c_kernel: bool):
+    """The rows `PagedCompressor.store` packs (through the C kernel, or its torch code), in a cache of
+    three pages of rows with other bytes between them, the windows' pages and rows out of order."""
+    count = windows.shape[0]
+    cache = torch.full((3, 8, row_bytes + 8), 7, dtype=torch.uint8)[:, :, 4 : 4 + row_bytes]
+    pages, rows = torch.arange(count) % 3, (torch.arange(count) * 5) % 8
+    plan = type("Plan", (), {"window_pages": pages, "window_page_rows": rows})()
+    available = cpu_compressor.available
+    if not c_kernel:
+        cpu_compressor.available = lambda: False
+    try:
+        comp.store(windows, plan, rope, cache, row_format, dtype, kernels=False)
+    finally:
+        cpu_compressor.available = available
+    return cache[pages, rows]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio,overlap,dims,count", [(4, True, 64, 5), (128, False, 48, 2), (4, True, 128, 1)])
+def test_store_matches_torch(dtype, ratio, overlap, dims, count):
+    """The windows' rows pooled, normed, rotated and packed by the C kernel against the torch code, as the
+    model's fp32 / bf16 rows: within the dtype's rounding (the softmax's exp differs within 2 ulp)."""
+    g = torch.Generator().manual_seed(ratio + dims + count)
+    windows, rope, comp = store_case(ratio, overlap, dims, count, g)
+    row_format = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    got, want = (stored(comp, windows, rope, dtype, row_format, dims * dtype.itemsize, c).view(dtype).float()
+                 for c in (True, False))
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    assert ((got - want).abs() <= tolerance * want.abs() + tolerance * 1e-2).all()
+    assert ((got - want).abs() > 0).float().mean() < (0.2 if dtype == torch.bfloat16 else 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_packs_fp8_index_keys_as_the_row_format_does(dtype):
+    """Index-key rows as fp8: the kernel's bytes are pack_index_rows' of the kernel's own rows (stored as
+    the model's dtype from the same windows), to the bit: scales and e4m3 values rounded as torch rounds."""
+    g = torch.Generator().manual_seed(11)
+    windows, rope, comp = store_case(4, True, 128, 6, g)
+    comp.norm = torch.logspace(-5, 1, 128)  # values over six decades in each row: e4m3's subnormals too
+    plain = stored(comp, windows, rope, dtype, {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype],
+                   128 * dtype.itemsize, True).view(dtype)
+    assert torch.equal(stored(comp, windows, rope, dtype, "fp8", 132, True), pack_index_rows(plain, "fp8"))

@@ -14,6 +14,9 @@
  * indexer's wq_b, each head's RoPE.
  * decode_logits: the LM head of a few rows (dsv4.model.model.PagedModel's last product), fp32 logits of
  * the model's dtype's values.
+ * compressor_store: the rows of the windows a batch completes (dsv4.model.compressor.PagedCompressor.store):
+ * each window's slots pooled (a softmax over them per channel), rounded into the model's dtype, normed,
+ * rotated and packed into the cache's format where it lies.
  *
  * Each phase's rows are split over torch's OpenMP team (see attention.c), a barrier between phases. */
 
@@ -37,6 +40,15 @@ enum { N_TOKENS, N_HEADS, N_DIM, N_ROPE, N_FP32, N_NORM, N_INVERSE, N_COUNT };
 enum { I_TOKENS, I_Q_RANK, I_HEADS, I_DIM, I_ROPE, I_FP32, I_COUNT };
 /* decode_logits' p[]: rows, the hidden size, the vocabulary, fp32 */
 enum { H_ROWS, H_HIDDEN, H_VOCAB, H_FP32, H_COUNT };
+/* compressor_store's p[]: windows, slots a window pools, the slots' kv (and score) width, the rows' dims,
+ * ratio, whether the slots overlap (CSA: slots 0 .. ratio - 1 take the first `dims` channels, the rest the
+ * last), RoPE dims, fp32 (else bf16: the model's dtype), the cache's format (STORE_*), its page and row
+ * strides (bytes) */
+enum { S_WINDOWS, S_SPAN, S_WIDTH, S_DIMS, S_RATIO, S_OVERLAP, S_ROPE, S_FP32, S_FORMAT, S_PAGE, S_ROW, S_COUNT };
+/* rows of fp32 or bf16 values; STORE_FP8: index-key rows, e4m3 values and a float32 power-of-two scale
+ * (dsv4/kernels/rows.py) */
+enum { STORE_FP32, STORE_BF16, STORE_FP8 };
+enum { FP8_MAX = 448 };
 
 /* v rounded into the model's dtype and stored at base[i] */
 static inline void store_at(void *base, int64_t i, int fp32, float v) {
@@ -208,6 +220,85 @@ int decode_logits(const void *x, const uint16_t *head, float *logits, const int6
     for (int64_t t = 0; t < rows; t++) at[t] = (const char *)x + t * hidden * (fp32 ? 4 : 2);
     dots(head + v * hidden, at, (int)rows, hidden, fp32, sums);
     for (int64_t t = 0; t < rows; t++) logits[t * vocab + v] = as_model(sums[t], fp32);
+  }
+  return 0;
+}
+
+/* f (|f| <= 448, or NaN) as float8_e4m3fn bits, rounded to nearest even as torch converts */
+static inline uint8_t to_e4m3(float f) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &f, 4);
+  const uint8_t sign = (uint8_t)((bits >> 24) & 0x80);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return sign | 0x7f;
+  const int exponent = (int)(magnitude >> 23) - 127;
+  if (exponent < -6) /* e4m3's subnormals (and zero): multiples of 2^-9, 2^-6 the first normal */
+    return sign | (uint8_t)nearbyintf(fabsf(f) * 512.0f);
+  const uint32_t mantissa = magnitude & 0x7fffffu;
+  uint32_t top = (mantissa + 0x7ffffu + ((mantissa >> 20) & 1u)) >> 20; /* 3 bits, to nearest even */
+  int biased = exponent + 7;
+  if (top == 8) top = 0, biased++;
+  return sign | (uint8_t)(biased << 3) | (uint8_t)top;
+}
+
+/* windows [W, span, 2 * width] fp32 (each window's slots, kv | score, as the feed copies them out), the
+ * rows' norm weight [dims], the RoPE tables cos2, sin2 [W, rope] fp32 at each window's position -> each
+ * window's row packed into cache (uint8, strided) at pages[w], page_rows[w] */
+int compressor_store(const float *windows, const float *norm, const float *cos2, const float *sin2, uint8_t *cache,
+                     const int64_t *pages, const int64_t *page_rows, const int64_t *p, float eps, int threads) {
+  const int64_t count = p[S_WINDOWS], span = p[S_SPAN], width = p[S_WIDTH], dims = p[S_DIMS], ratio = p[S_RATIO];
+  const int64_t rope = p[S_ROPE], format = p[S_FORMAT];
+  const int fp32 = (int)p[S_FP32], overlap = (int)p[S_OVERLAP];
+  if (span > 1024) return 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t w = 0; w < count; w++) {
+    const float *slots = windows + w * span * 2 * width;
+    float weights[span][16];
+    uint16_t row[dims * 2]; /* the row in the model's dtype (fp32: two words a value) */
+    for (int64_t c = 0; c < dims; c += 16) { /* pooled = sum over slots of softmax(score) * kv, per channel */
+      const __mmask16 m = first_lanes(dims - c);
+      __m512 peak = _mm512_set1_ps(-INFINITY);
+      for (int64_t s = 0; s < span; s++) {
+        const int64_t column = (overlap && s >= ratio ? dims : 0) + c;
+        peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, slots + s * 2 * width + width + column));
+      }
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t s = 0; s < span; s++) {
+        const int64_t column = (overlap && s >= ratio ? dims : 0) + c;
+        const __m512 score = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, slots + s * 2 * width + width + column);
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(score, peak));
+        _mm512_storeu_ps(weights[s], e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      __m512 pooled = _mm512_setzero_ps();
+      for (int64_t s = 0; s < span; s++) {
+        const int64_t column = (overlap && s >= ratio ? dims : 0) + c;
+        const __m512 weight = _mm512_div_ps(_mm512_loadu_ps(weights[s]), sum);
+        pooled = _mm512_add_ps(pooled, _mm512_mul_ps(weight, _mm512_maskz_loadu_ps(m, slots + s * 2 * width + column)));
+      }
+      store_row(row, c, !fp32, m, pooled);
+    }
+    norm_and_rotate(row, dims, fp32, 1, norm, eps, cos2 + w * rope, sin2 + w * rope, rope, 0);
+    uint8_t *out = cache + pages[w] * p[S_PAGE] + page_rows[w] * p[S_ROW];
+    if (format == STORE_FP8) {
+      float amax = 0.0f;
+      for (int64_t c = 0; c < dims; c++) amax = fmaxf(amax, fabsf(load_at(row, c, fp32)));
+      int exponent;
+      const float mantissa = frexpf(fmaxf(amax, 1e-4f) / (float)FP8_MAX, &exponent);
+      exponent -= mantissa == 0.5f; /* an exact power of two needs no rounding up */
+      for (int64_t c = 0; c < dims; c++) {
+        const float scaled = ldexpf(load_at(row, c, fp32), -exponent);
+        out[c] = to_e4m3(fminf(fmaxf(scaled, -(float)FP8_MAX), (float)FP8_MAX));
+      }
+      const float scale = ldexpf(1.0f, exponent);
+      __builtin_memcpy(out + dims, &scale, 4);
+    } else {
+      for (int64_t c = 0; c < dims; c++) {
+        const float v = load_at(row, c, fp32);
+        if (format == STORE_FP32) __builtin_memcpy(out + 4 * c, &v, 4);
+        else ((uint16_t *)out)[c] = to_bf16(v);
+      }
+    }
   }
   return 0;
 }

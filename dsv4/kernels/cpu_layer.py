@@ -16,7 +16,7 @@ import torch
 from .cpu_library import available, entry
 
 __all__ = ["BACK", "FLOATS", "FRONT", "PARAMS", "POINTERS", "WHOLE", "Params", "available", "decode_layer", "layer_params",
-           "scratch_bytes"]
+           "pointers", "scratch_bytes"]
 
 # cpu/layer.c's ptr[] order: the residual; the attention's mix weights; its projections' weights and the
 # RoPE tables; the positions; two compressors' ape, state and plan rows; the attention's pools, rows and
@@ -63,13 +63,20 @@ def scratch_bytes(params: Params) -> int:
     return entry("decode_layer_scratch")(params.arrays[0])
 
 
-def decode_layer(pointers: Sequence[int | None], params: Params, floats: ctypes.Array, phases: int = WHOLE) -> None:
-    """Runs cpu/layer.c's decode_layer's `phases`: `pointers` in POINTERS order (None: absent), `floats` in
-    FLOATS order (a c_float array)."""
+def pointers(values: Sequence[int | None]) -> ctypes.Array:
+    """A call's pointers (POINTERS order, None: absent) as `decode_layer` takes them: an array a caller may
+    keep and change between calls."""
+    if len(values) != len(POINTERS):
+        raise RuntimeError(f"cpu decode_layer: {len(POINTERS)} pointers (got {len(values)})")
+    return (ctypes.c_void_p * len(POINTERS))(*values)
+
+
+def decode_layer(pointers: ctypes.Array, params: Params, floats: ctypes.Array, phases: int = WHOLE) -> None:
+    """Runs cpu/layer.c's decode_layer's `phases`: `pointers` as `pointers` makes them, `floats` in FLOATS
+    order (a c_float array)."""
     if len(pointers) != len(POINTERS) or len(floats) != len(FLOATS):
         raise RuntimeError(f"cpu decode_layer: {len(POINTERS)} pointers and {len(FLOATS)} floats (got "
                            f"{len(pointers)}, {len(floats)})")
-    status = entry("decode_layer")((ctypes.c_void_p * len(POINTERS))(*pointers), params.pointers, floats, phases,
-                                   torch.get_num_threads())
+    status = entry("decode_layer")(pointers, params.pointers, floats, phases, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"cpu decode_layer: a kernel could not allocate its scratch memory ({status})")

@@ -44,9 +44,11 @@ _SCRATCH = _AT["scratch"]
 class DecodeStep:
     """A batch of decode tokens as every layer's one call reads it (`of`), prepared once a forward."""
 
-    def __init__(self, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int):
+    def __init__(self, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int, residual: Residual):
+        """`residual`: the first layer's input (the buffers of every layer's output are shaped as it)."""
         group = plan.groups[0]
         self.tokens = group.batch
+        self._residuals = [Residual(*(torch.empty_like(t) for t in residual)) for _ in range(2)]
         self.positions, self.token_ids = as_read(plan.positions, torch.int64), as_read(plan.token_ids, torch.int64)
         self.slots = as_read(group.slots[:, 0], torch.int64)
         self.tables = {window: (as_read(rope.cos2, torch.float32), as_read(rope.sin2, torch.float32))
@@ -84,6 +86,11 @@ class DecodeStep:
                                        [t.data_ptr() for t in self.feeds[ratio][-1]])
                                for ratio, rows in self.rows.items()}
 
+    def residual(self, layer: int) -> Residual:
+        """Where layer `layer`'s call writes its residual: one of two sets of buffers, by the layer's parity
+        (a layer reads the last one's, which it never writes)."""
+        return self._residuals[layer % 2]
+
     def window_rope(self, ratio: int, dtype: torch.dtype) -> Rope:
         """RoPE at the positions of the windows of `ratio` that complete in the step, by the compressed
         layers' frequencies, for a model of `dtype` (as the attention rotates their rows)."""
@@ -93,14 +100,14 @@ class DecodeStep:
         return rope
 
     @classmethod
-    def of(cls, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int) -> DecodeStep | None:
+    def of(cls, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int, residual: Residual) -> DecodeStep | None:
         """The step for a batch of decode tokens alone, at most cpu_project.KERNEL_TOKENS of them, none a
         captured boundary; None for any other."""
         groups = plan.groups
         if (len(groups) != 1 or groups[0].length != 1 or groups[0].batch > cpu_project.KERNEL_TOKENS
                 or not decodes_wrote_ring(plan)):
             return None
-        return cls(plan, ropes, index_topk)
+        return cls(plan, ropes, index_topk, residual)
 
     def params(self, layer: FusedLayer) -> cpu_layer.Params:
         """`layer`'s kernels' p[] arrays for this step (one set per kind of layer)."""
@@ -152,8 +159,9 @@ class FusedLayer:
         pointers["comp_pool"] = None if self.compressed_pool is None else self.compressed_pool.data_ptr()
         for c, (ape, state, _) in enumerate(self.feeds):
             pointers[f"ape_{c}"], pointers[f"state_{c}"] = ape.data_ptr(), state.data_ptr()
-        # the call's pointers in cpu_layer.POINTERS order, the bound ones in place (`__call__` fills the rest)
-        self.pointers = [pointers.get(name) for name in cpu_layer.POINTERS]
+        # the call's pointers, the bound ones in place (each call sets the rest)
+        self.comp_pool = pointers["comp_pool"]
+        self.pointers = cpu_layer.pointers([pointers.get(name) for name in cpu_layer.POINTERS])
         self.mix_constants = mix_constants
         self.floats = (ctypes.c_float * len(cpu_layer.FLOATS))(
             mix_constants["hc_eps"], mix_constants["norm_eps"], cfg.rms_norm_eps, softmax_scale(cfg),
@@ -204,18 +212,18 @@ class FusedLayer:
 
     def __call__(self, residual: Residual, step: DecodeStep) -> Residual:
         """The layer's output residual (its MoE's output unwritten, as `_Block` returns it)."""
-        streams, output, post, comb = (as_read(t) for t in residual)
-        out = Residual(torch.empty_like(streams), torch.empty_like(output), torch.empty_like(post), torch.empty_like(comb))
-        pointers = self.pointers.copy()
-        for at, tensor in zip(_RESIDUAL, (streams, output, post, comb, *out), strict=True):
+        out = step.residual(self.layer)
+        inputs = [as_read(t) for t in residual]  # (held through the call)
+        pointers = self.pointers
+        for at, tensor in zip(_RESIDUAL, (*inputs, *out), strict=True):
             pointers[at] = tensor.data_ptr()
         for at, address in zip(_STEP, step.pointers[self.window], strict=True):
             pointers[at] = address
+        pointers[_SCRATCH] = None
         if self.ratio is not None:
             rows, feed = step.ratio_pointers[self.ratio]
-            if rows is None:  # no compressed row yet
-                pointers[_COMP_POOL] = None
-            else:
+            pointers[_COMP_POOL] = None if rows is None else self.comp_pool  # (None: no compressed row yet)
+            if rows is not None:
                 for at, address in zip(_ROWS, rows, strict=True):
                     pointers[at] = address
             for c in range(len(self.feeds)):
@@ -228,7 +236,7 @@ class FusedLayer:
         cpu_layer.decode_layer(pointers, step.params(self), self.floats)
         return out
 
-    def _around_new_rows(self, pointers: list, step: DecodeStep, windows: int) -> None:
+    def _around_new_rows(self, pointers: ctypes.Array, step: DecodeStep, windows: int) -> None:
         """The layer's call in two phases around its compressors' storing of the rows of the `windows`
         windows that complete in the step, as PagedAttention stores them: the attention reads them."""
         params, span = step.params(self), step.feeds[self.ratio][2]

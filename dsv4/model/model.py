@@ -86,7 +86,7 @@ class PagedModel:
         ropes = {window: Rope(plan.positions, inv_freq, self.dtype) for window, inv_freq in self.inv_freq.items()}
         step = None
         if on_selection is None and any(self.fused):
-            step = DecodeStep.of(plan, ropes, cfg.index_topk)
+            step = DecodeStep.of(plan, ropes, cfg.index_topk, residual)
         for block, fused in zip(self.blocks, self.fused, strict=True):
             if step is not None and fused is not None and fused.serves(step):
                 residual = fused(residual, step)

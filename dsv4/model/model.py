@@ -2,7 +2,9 @@
 
 Every per-token step (embedding, mHC, norms, projections, MoE) runs on the flattened batch; attention
 reads and writes the pools (`PagedAttention`). Only the last token of each sampling chunk reaches
-the head, and the positions whose logits a request's prompt logprobs need. Weights are converted once, at construction, into the dtypes and layouts used here, on
+the head, and the positions whose logits a request's prompt logprobs need. On a CPU whose C kernels
+take a whole layer, a decode step's layers run as one C call each (dsv4/model/decode_layer.py) and its
+head as two. Weights are converted once, at construction, into the dtypes and layouts used here, on
 the pools' device.
 """
 

@@ -55,7 +55,8 @@ def store(windows: torch.Tensor, norm: torch.Tensor, cos2: torch.Tensor, sin2: t
         problems.append(f"no rows of a {dtype} model as {row_format!r}")
     if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[2] != row_bytes or cache.stride(2) != 1:
         problems.append(f"cache must be uint8 [pages, rows, {row_bytes}] with contiguous rows (got {tuple(cache.shape)})")
-    if any(t.dtype != torch.float32 for t in (norm, cos2, sin2)) or cos2.shape != (count, rope) or rope % 2 or rope > dims:
+    if (any(t.dtype != torch.float32 for t in (norm, cos2, sin2)) or cos2.shape != (count, rope) or sin2.shape != cos2.shape
+            or rope % 2 or rope > dims):
         problems.append("the norm and RoPE tables must be fp32, the tables [W, an even number of dims up to the rows']")
     if pages.shape != (count,) or page_rows.shape != (count,) or span > 1024:
         problems.append(f"pages and page_rows must be [W], a window at most 1024 slots (got {span})")

@@ -14,6 +14,7 @@ layer runs as `_Block`. Both give the same bits."""
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +42,27 @@ _WINDOWS = [_AT["windows_0"], _AT["windows_1"]]
 _SCRATCH = _AT["scratch"]
 
 
+class _Seen(NamedTuple):
+    """The compressed rows (one ratio) each token of a step sees, as decode_attention reads them."""
+
+    count: int  # rows a token (0: none yet; the tensors are then None)
+    pages: torch.Tensor | None
+    page_rows: torch.Tensor | None
+    exists: torch.Tensor | None
+    allowed: torch.Tensor | None
+
+
+class _Feed(NamedTuple):
+    """How one ratio's compressors advance in a step, as compressor_feed reads it."""
+
+    read: int  # state rows read
+    windows: int  # windows completed ...
+    span: int  # ... and the rows each pools
+    updates: int  # state rows written
+    # the plan's state_slots, state_rows, update_slots, update_rows, update_sources, window_sources
+    indices: list[torch.Tensor]
+
+
 class DecodeStep:
     """A batch of decode tokens as every layer's one call reads it (`of`), prepared once a forward."""
 
@@ -53,26 +75,25 @@ class DecodeStep:
         self.slots = as_read(group.slots[:, 0], torch.int64)
         self.tables = {window: (as_read(rope.cos2, torch.float32), as_read(rope.sin2, torch.float32))
                        for window, rope in ropes.items()}
-        # By ratio: the compressed rows each token sees (count, pages, page_rows, exists, allowed), and
-        # whether the indexer would select among them (more than it keeps)
-        self.rows, self.indexer_selects = {}, {}
+        # By ratio: the compressed rows each token sees, and whether the indexer would select among them
+        # (more than it keeps)
+        self.seen: dict[int, _Seen] = {}
+        self.indexer_selects: dict[int, bool] = {}
         for ratio, rows in group.compressed.items():
             count = rows.pages.shape[1]
             self.indexer_selects[ratio] = count > index_topk
-            self.rows[ratio] = (0, None, None, None, None)
+            self.seen[ratio] = _Seen(0, None, None, None, None)
             if count:
-                self.rows[ratio] = (count, as_read(rows.pages, torch.int64), as_read(rows.page_rows, torch.int64),
-                                    as_read(rows.exists, torch.bool), as_read(rows.visible[:, 0], torch.bool))
-        # By ratio: the compressors' feed (state rows read, windows completed, the rows each pools, rows
-        # updated, and the plan's state_slots, state_rows, update_slots, update_rows, update_sources and
-        # window_sources)
+                self.seen[ratio] = _Seen(count, as_read(rows.pages, torch.int64), as_read(rows.page_rows, torch.int64),
+                                         as_read(rows.exists, torch.bool), as_read(rows.visible[:, 0], torch.bool))
+        # By ratio: how the compressors advance
         self.compress, self.feeds = plan.compress, {}
         for ratio, compress in plan.compress.items():
             indices = [as_read(t, torch.int64) for t in (compress.state_slots, compress.state_rows, compress.update_slots,
                                                          compress.update_rows, compress.update_sources,
                                                          compress.window_sources)]
-            self.feeds[ratio] = (len(compress.state_slots), *compress.window_sources.shape, len(compress.update_slots),
-                                 indices)
+            self.feeds[ratio] = _Feed(len(compress.state_slots), *compress.window_sources.shape,
+                                      len(compress.update_slots), indices)
         self.inv_freq = ropes[False].inv_freq if False in ropes else None  # (the compressed layers')
         self._window_ropes: dict[int, Rope] = {}
         self._params: dict[tuple, cpu_layer.Params] = {}
@@ -82,9 +103,9 @@ class DecodeStep:
         self.pointers = {window: [t.data_ptr() for t in (*tables, self.positions, self.slots, self.positions,
                                                           self.token_ids)]
                          for window, tables in self.tables.items()}
-        self.ratio_pointers = {ratio: (None if rows[0] == 0 else [t.data_ptr() for t in rows[1:]],
-                                       [t.data_ptr() for t in self.feeds[ratio][-1]])
-                               for ratio, rows in self.rows.items()}
+        self.ratio_pointers = {ratio: (None if seen.count == 0 else [t.data_ptr() for t in seen[1:]],
+                                       [t.data_ptr() for t in self.feeds[ratio].indices])
+                               for ratio, seen in self.seen.items()}
 
     def residual(self, layer: int) -> Residual:
         """Where layer `layer`'s call writes its residual: one of two sets of buffers, by the layer's parity
@@ -191,12 +212,12 @@ class FusedLayer:
         """The p[] of each of the layer's kernels for `step` (cpu_layer.PARAMS' order)."""
         T, cfg, dtype, s, moe = step.tokens, self.cfg, self.dtype, self.shapes, self.moe
         hidden, n, rope = cfg.hidden_size, cfg.hc_mult, step.tables[self.window][0].shape[-1]
-        count = 0 if self.ratio is None else step.rows[self.ratio][0]
+        count = 0 if self.ratio is None else step.seen[self.ratio].count
         feeds = []
         for ape, state, _ in self.feeds:
-            read, windows, span, updates, _ = step.feeds[self.ratio]
-            feeds.append(cpu_compressor.feed_params(T, ape.shape[1], ape.shape[0], (s["width"], 1), dtype, state, read,
-                                                    windows, span, updates))
+            feed = step.feeds[self.ratio]
+            feeds.append(cpu_compressor.feed_params(T, ape.shape[1], ape.shape[0], (s["width"], 1), dtype, state,
+                                                    feed.read, feed.windows, feed.span, feed.updates))
         feeds += [(0,)] * (2 - len(feeds))
         return [cpu_layer.layer_params(T, n, hidden, s["width"], s["q_rank"], s["dim"], s["heads"], dtype,
                                        self.window_pool, [column for _, _, column in self.feeds], moe["tiles"]),
@@ -229,7 +250,7 @@ class FusedLayer:
             for c in range(len(self.feeds)):
                 for at, address in zip(_FEED[c], feed, strict=True):
                     pointers[at] = address
-            windows = step.feeds[self.ratio][1]
+            windows = step.feeds[self.ratio].windows
             if windows:
                 self._around_new_rows(pointers, step, windows)
                 return out
@@ -239,7 +260,7 @@ class FusedLayer:
     def _around_new_rows(self, pointers: ctypes.Array, step: DecodeStep, windows: int) -> None:
         """The layer's call in two phases around its compressors' storing of the rows of the `windows`
         windows that complete in the step, as PagedAttention stores them: the attention reads them."""
-        params, span = step.params(self), step.feeds[self.ratio][2]
+        params, span = step.params(self), step.feeds[self.ratio].span
         scratch = torch.empty(cpu_layer.scratch_bytes(params), dtype=torch.uint8)
         slots = [torch.empty(windows, span, 2 * ape.shape[1]) for ape, _, _ in self.feeds]  # (fp32, as feed's)
         pointers[_SCRATCH] = scratch.data_ptr()

@@ -311,9 +311,15 @@ def _decode_compress_plan(chunks: _Chunks, ratio: int, state_rows: int) -> Compr
     token's row, or where it completes a window the lookback rows ending at it."""
     lookback = state_rows - ratio
     p, empty = chunks.start, chunks.num_tokens
-    window_start = p - p % ratio
+    phase = p % ratio
+    done = phase == ratio - 1
+    if not done.any():  # (most steps) each token's row goes to its state, which nothing reads
+        none = np.zeros(0, dtype=np.int64)
+        return CompressPlan(ratio, *(_tensor(none),) * 2, _tensor(np.zeros((0, state_rows), dtype=np.int64)),
+                            *(_tensor(none),) * 3, _tensor(chunks.slot), _tensor(phase + lookback),
+                            _tensor(np.arange(len(p))))
+    window_start = p - phase
     state = empty + 1 + chunks.slot * state_rows + lookback - window_start  # + q: position q's virtual state row
-    done = (p + 1) % ratio == 0
     owner = np.flatnonzero(done)
     first = window_start[owner]
     pooled = first[:, None] + np.arange(-lookback, ratio)

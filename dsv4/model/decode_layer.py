@@ -14,6 +14,7 @@ layer runs as `_Block`. Both give the same bits."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -63,14 +64,36 @@ class _Feed(NamedTuple):
     indices: list[torch.Tensor]
 
 
+class DecodeBuffers:
+    """The residuals of decode steps of one token count, kept from step to step: the first layer's input
+    (its streams the embedded tokens', its output and post zero and its comb the identity, as
+    Residual.start makes them) and every layer's output, in two sets by layer parity (a layer reads the
+    last one's, which it never writes)."""
+
+    def __init__(self, tokens: int, streams: int, hidden: int, dtype: torch.dtype):
+        def residual() -> Residual:
+            return Residual(torch.empty(tokens, streams, hidden, dtype=dtype), torch.empty(tokens, hidden, dtype=dtype),
+                            torch.empty(tokens, streams), torch.empty(tokens, streams, streams))
+
+        start = Residual.start(torch.empty(tokens, streams, hidden, dtype=dtype))
+        if start.post.dtype != torch.float32:
+            raise RuntimeError(f"decode buffers: a {dtype} model's mixing weights are not fp32")
+        self.start, self.outputs = start, [residual(), residual()]
+
+    def first(self, x: torch.Tensor) -> Residual:
+        """The first layer's input for the embedded tokens x [T, hidden] (the buffers' start, x in its streams)."""
+        self.start.streams.copy_(x.unsqueeze(1).expand_as(self.start.streams))
+        return self.start
+
+
 class DecodeStep:
     """A batch of decode tokens as every layer's one call reads it (`of`), prepared once a forward."""
 
-    def __init__(self, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int, residual: Residual):
-        """`residual`: the first layer's input (the buffers of every layer's output are shaped as it)."""
+    def __init__(self, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int, buffers: DecodeBuffers):
+        """`buffers`: of the step's token count, where the layers' outputs go."""
         group = plan.groups[0]
         self.tokens = group.batch
-        self._residuals = [Residual(*(torch.empty_like(t) for t in residual)) for _ in range(2)]
+        self._residuals = buffers.outputs
         self.positions, self.token_ids = as_read(plan.positions, torch.int64), as_read(plan.token_ids, torch.int64)
         self.slots = as_read(group.slots[:, 0], torch.int64)
         self.tables = {window: (as_read(rope.cos2, torch.float32), as_read(rope.sin2, torch.float32))
@@ -121,14 +144,15 @@ class DecodeStep:
         return rope
 
     @classmethod
-    def of(cls, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int, residual: Residual) -> DecodeStep | None:
+    def of(cls, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int,
+           buffers: Callable[[int], DecodeBuffers]) -> DecodeStep | None:
         """The step for a batch of decode tokens alone, at most cpu_project.KERNEL_TOKENS of them, none a
-        captured boundary; None for any other."""
+        captured boundary, in `buffers` of its token count; None for any other."""
         groups = plan.groups
         if (len(groups) != 1 or groups[0].length != 1 or groups[0].batch > cpu_project.KERNEL_TOKENS
                 or not decodes_wrote_ring(plan)):
             return None
-        return cls(plan, ropes, index_topk, residual)
+        return cls(plan, ropes, index_topk, buffers(groups[0].batch))
 
     def params(self, layer: FusedLayer) -> cpu_layer.Params:
         """`layer`'s kernels' p[] arrays for this step (one set per kind of layer)."""

@@ -20,7 +20,7 @@ from dsv4.memory.pools import StatePools
 
 from .attention import PagedAttention
 from .compile import Pieces, eager_pieces
-from .decode_layer import DecodeStep, FusedLayer
+from .decode_layer import DecodeBuffers, DecodeStep, FusedLayer
 from .mhc import HyperConnection, Residual, hc_head
 from .moe import GroupedMoE
 from .ops import Rope, accumulation_dtype, as_bf16, layer_inv_freq, linear, rms_norm
@@ -60,6 +60,7 @@ class PagedModel:
         self.head_kernel = self._head_kernel(cfg)
         self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce) for i in range(cfg.num_layers)]
         # Each layer of a decode step as one C call where the CPU's kernels take all of it (None: they do not)
+        self._decode_residuals: dict[int, DecodeBuffers] = {}  # by token count (`_decode_buffers`)
         self.fused = [FusedLayer(cfg, i, block, pools, dtype, self.pieces.mix.keywords)
                       if FusedLayer.usable(block, pools, dtype, self.pieces.mix) else None
                       for i, block in enumerate(self.blocks)]
@@ -83,12 +84,14 @@ class PagedModel:
         `plan.prompt_tokens`. CSA layers hand their indexer selections to `on_selection`."""
         cfg = self.cfg
         x = self.embed[plan.token_ids]
-        # [T, hc, hidden], contiguous like every later layer's streams (one layout for compiled code)
-        residual = Residual.start(x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous())
         ropes = {window: Rope(plan.positions, inv_freq, self.dtype) for window, inv_freq in self.inv_freq.items()}
         step = None
         if on_selection is None and any(self.fused):
-            step = DecodeStep.of(plan, ropes, cfg.index_topk, residual)
+            step = DecodeStep.of(plan, ropes, cfg.index_topk, self._decode_buffers)
+        if step is not None:
+            residual = self._decode_buffers(step.tokens).first(x)
+        else:  # [T, hc, hidden], contiguous like every later layer's streams (one layout for compiled code)
+            residual = Residual.start(x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous())
         for block, fused in zip(self.blocks, self.fused, strict=True):
             if step is not None and fused is not None and fused.serves(step):
                 residual = fused(residual, step)
@@ -103,6 +106,14 @@ class PagedModel:
             return cpu_project.logits(self.pieces.mix(*last, *mix_weights)[1], head)
         x = hc_head(last.written(), *self.hc_head_weights, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         return linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.head).float()
+
+    def _decode_buffers(self, tokens: int) -> DecodeBuffers:
+        """The fused layers' residuals for decode steps of `tokens` tokens (made at the first such step)."""
+        buffers = self._decode_residuals.get(tokens)
+        if buffers is None:
+            buffers = self._decode_residuals[tokens] = DecodeBuffers(tokens, self.cfg.hc_mult, self.cfg.hidden_size,
+                                                                     self.dtype)
+        return buffers
 
     def _head_kernel(self, cfg: ModelConfig) -> tuple[torch.Tensor, ...] | None:
         """The head of a few rows as two C calls where the CPU's kernels serve (None: they do not): the

@@ -148,8 +148,7 @@ class ModelRunner:
                 raise ValueError(f"{where}: page ids outside 0..{self.num_pages - 1}")
         self.pools.bind_pages([p for c in batch.chunks for p in c.page_ids],
                               [g for c in batch.chunks for g in c.page_generations])
-        for c in batch.chunks:
-            self.pools.bind_slot(c.slot, c.slot_generation)
+        self.pools.bind_slots([c.slot for c in batch.chunks], [c.slot_generation for c in batch.chunks])
         chunk_of = {c.slot: c for c in batch.chunks}
         for capture in batch.captures:
             c = chunk_of.get(capture.slot)

@@ -277,6 +277,9 @@ class StatePools:
     def bind_slot(self, slot: int, generation: int) -> None:
         self._slots.bind("slot", [slot], [generation])
 
+    def bind_slots(self, slots, generations) -> None:
+        self._slots.bind("slot", slots, generations)
+
     def page_generation(self, page_id: int) -> int:
         return int(self._pages.generations[page_id])
 

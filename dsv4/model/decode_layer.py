@@ -4,7 +4,8 @@ them, from tensors bound once. A c=1 decode layer of `small` spent ~250 us in it
 in the Python and torch ops around them.
 
 `FusedLayer` binds a layer's weights, pools and constants at construction; `DecodeStep` prepares, once
-per forward, the batch's indices and RoPE tables that every layer reads. A layer runs fused where its
+per forward, the batch's indices and RoPE tables that every layer reads; `DecodeBuffers` keeps the layers'
+residuals from step to step, and `FusedHead` the head's arguments. A layer runs fused where its
 indexer (a CSA layer's) does not select (`FusedLayer.serves`: contexts of at most index_topk compressed
 rows). Where windows of its compressors complete in the step, it runs in two calls around the
 compressors' own pooling and storing of the new rows (PagedCompressor.store), which its attention reads.

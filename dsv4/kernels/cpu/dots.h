@@ -71,10 +71,53 @@ static inline __attribute__((always_inline)) void dots_n_fp32(const uint16_t *w,
   for (int j = 0; j < N; j++) out[j] = _mm512_reduce_add_ps(acc[j]);
 }
 
+/* dots_n and dots_n_fp32 of one row, in four sums of every fourth vector: one sum alone waits out the
+ * latency of each FMA (a one-token decode step's products were bound by it, not by the memory) */
+static inline float dot_1(const uint16_t *w, const uint16_t *row, int64_t n) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 128 <= n; i += 128) {
+    _mm_prefetch((const char *)(w + i) + PREFETCH_BYTES, _MM_HINT_T1);
+    _mm_prefetch((const char *)(w + i + 64) + PREFETCH_BYTES, _MM_HINT_T1);
+    for (int c = 0; c < 4; c++)
+      acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_loadu_epi16(row + i + 32 * c),
+                                (__m512bh)_mm512_loadu_epi16(w + i + 32 * c));
+  }
+  for (; i < n; i += 32) {
+    const __mmask32 m = n - i >= 32 ? 0xffffffffu : (__mmask32)((1u << (n - i)) - 1);
+    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_maskz_loadu_epi16(m, row + i),
+                              (__m512bh)_mm512_maskz_loadu_epi16(m, w + i));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+static inline float dot_1_fp32(const uint16_t *w, const float *row, int64_t n) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    _mm_prefetch((const char *)(w + i) + PREFETCH_BYTES, _MM_HINT_T1);
+    for (int c = 0; c < 4; c++) {
+      const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+          (const __m256i *)(w + i + 16 * c))), 16));
+      acc[c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(row + i + 16 * c), acc[c]);
+    }
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 m = first_lanes(n - i);
+    const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + i)), 16));
+    acc[0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, row + i), acc[0]);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
 /* dots_n (or dots_n_fp32, `fp32`) over count <= BLOCK rows, in runs of a constant number of them (so
  * that their sums stay in registers): the latency of one vdpbf16ps or FMA is several of its issue
  * slots, so the more sums in flight the better */
 static inline void dots(const uint16_t *w, const void *const *rows, int count, int64_t n, int fp32, float *out) {
+  if (count == 1) {
+    out[0] = fp32 ? dot_1_fp32(w, (const float *)rows[0], n) : dot_1(w, (const uint16_t *)rows[0], n);
+    return;
+  }
 #define RUN(N) (fp32 ? dots_n_fp32(w, (const float *const *)rows + j, N, n, out + j) \
                      : dots_n(w, (const uint16_t *const *)rows + j, N, n, out + j))
   for (int j = 0, run; j < count; j += run) {

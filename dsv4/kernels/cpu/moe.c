@@ -27,8 +27,6 @@
  * whether the activations are fp32 (else bf16) */
 enum { M_TOKENS, M_PICKS, M_EXPERTS, M_HIDDEN, M_INTER, M_SHARED, M_FP32, M_COUNT };
 
-enum { ROWS_A_CHUNK = 16 };
-
 
 /* Hidden units: 0..picks-1 the picks', then each token's shared expert's. Each expert's weight rows
  * are read once for all of its picks (`dispatch` sorts them by expert, this rank's first). x and the
@@ -40,9 +38,10 @@ int moe_few(const void *x, const uint16_t *w13, const uint16_t *w2, const uint16
   const int fp32 = (int)p[M_FP32];
   const int64_t size = fp32 ? 4 : 2; /* bytes of an activation */
   const int64_t width = inter > shared ? inter : shared, units = n_pick + (shared ? n_tok : 0);
-  const int64_t sources = n_exp + (shared ? 1 : 0); /* the experts, then the shared expert */
-  const int64_t chunks = (width + ROWS_A_CHUNK - 1) / ROWS_A_CHUNK;
-  int64_t *first = malloc(sizeof(int64_t) * (2 * n_exp + 1)), *last = first ? first + n_exp : NULL;
+  /* the experts with picks, then the shared expert: `active` of them, source s's rows from row_start[s] on
+   * in the rows of them all */
+  int64_t *first = malloc(sizeof(int64_t) * (4 * n_exp + 3)), *last = first ? first + n_exp : NULL;
+  int64_t *sources = last ? last + n_exp : NULL, *row_start = sources ? sources + n_exp + 1 : NULL;
   char *hidden = malloc(size * (units ? units : 1) * width);
   if (!first || !hidden) {
     free(first);
@@ -56,35 +55,45 @@ int moe_few(const void *x, const uint16_t *w13, const uint16_t *w2, const uint16
     if (last[g] == 0) last[g] = k + 1;
     first[g] = k;
   }
+  int64_t active = 0;
+  row_start[0] = 0;
+  for (int64_t g = 0; g <= n_exp; g++)
+    if (g < n_exp ? last[g] > first[g] : shared > 0) {
+      sources[active] = g;
+      row_start[active + 1] = row_start[active] + (g < n_exp ? inter : shared);
+      active++;
+    }
 #pragma omp parallel num_threads(threads)
   {
     /* gate and up rows of each hidden unit: h = as_model(as_model(silu(min(gate, limit))) * clamp(up));
-     * an expert's rows in chunks, taken as threads come free (the experts' picks differ in number) */
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t c = 0; c < chunks * sources; c++) {
-      const int64_t source = c / chunks, is_shared = source == n_exp;
+     * the active experts' rows one after another, each thread a contiguous share of them (so that its
+     * reads are a few long runs, which its prefetches follow) */
+    int64_t s = 0;
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < row_start[active]; item++) {
+      while (item >= row_start[s + 1]) s++;
+      const int64_t source = sources[s], is_shared = source == n_exp, i = item - row_start[s];
       const int64_t width_u = is_shared ? shared : inter;
       const uint16_t *w = is_shared ? shared_w13 : w13 + source * 2 * inter * hidden_n;
       const int64_t begin = is_shared ? 0 : first[source], end = is_shared ? n_tok : last[source];
-      for (int64_t i = c % chunks * ROWS_A_CHUNK; i < width_u && i < (c % chunks + 1) * ROWS_A_CHUNK; i++)
-        for (int64_t k = begin; k < end; k += BLOCK) {
-          const int count = end - k < BLOCK ? (int)(end - k) : BLOCK;
-          const void *rows[BLOCK];
-          float gates[BLOCK], ups[BLOCK];
-          for (int j = 0; j < count; j++) rows[j] = (const char *)x + (is_shared ? k + j : tokens[k + j]) * hidden_n * size;
-          dots(w + i * hidden_n, rows, count, hidden_n, fp32, gates);
-          dots(w + (width_u + i) * hidden_n, rows, count, hidden_n, fp32, ups);
-          for (int j = 0; j < count; j++) {
-            const float gate = fminf(as_model(gates[j], fp32), limit);
-            const float up = fminf(fmaxf(as_model(ups[j], fp32), -limit), limit);
-            const float unit = as_model(gate / (1.0f + expf(-gate)), fp32) * up;
-            const int64_t at = ((is_shared ? n_pick : 0) + k + j) * width + i;
-            if (fp32)
-              ((float *)hidden)[at] = unit;
-            else
-              ((uint16_t *)hidden)[at] = to_bf16(unit);
-          }
+      for (int64_t k = begin; k < end; k += BLOCK) {
+        const int count = end - k < BLOCK ? (int)(end - k) : BLOCK;
+        const void *rows[BLOCK];
+        float gates[BLOCK], ups[BLOCK];
+        for (int j = 0; j < count; j++) rows[j] = (const char *)x + (is_shared ? k + j : tokens[k + j]) * hidden_n * size;
+        dots(w + i * hidden_n, rows, count, hidden_n, fp32, gates);
+        dots(w + (width_u + i) * hidden_n, rows, count, hidden_n, fp32, ups);
+        for (int j = 0; j < count; j++) {
+          const float gate = fminf(as_model(gates[j], fp32), limit);
+          const float up = fminf(fmaxf(as_model(ups[j], fp32), -limit), limit);
+          const float unit = as_model(gate / (1.0f + expf(-gate)), fp32) * up;
+          const int64_t at = ((is_shared ? n_pick : 0) + k + j) * width + i;
+          if (fp32)
+            ((float *)hidden)[at] = unit;
+          else
+            ((uint16_t *)hidden)[at] = to_bf16(unit);
         }
+      }
     }
     /* (the implied barrier: every hidden unit is set) each output row o of every token: the picks in
      * expert order, as the grouped path adds them, then the shared expert */

@@ -119,8 +119,12 @@ INLINE void weighted_values(const void **seen, int64_t count, const float *weigh
           for (int j = 0; j < 4; j++) acc[i][j] = _mm512_fmadd_ps(wi, values[j], acc[i][j]);
         }
       }
-      for (int i = 0; i < hs; i++)
-        for (int j = 0; j < 4 && 16 * j < left; j++) {
+      /* (constant bounds, the conditions inside: acc stays in registers, not spilled at every key) */
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+          if (i >= hs || 16 * j >= left) continue;
           const __m512 result = _mm512_mul_ps(acc[i][j], _mm512_set1_ps(inverse[h + i]));
           const int64_t at = (h0 + h + i) * D + d0 + 16 * j;
           if (fp32) _mm512_mask_storeu_ps((float *)out + at, first_lanes(left - 16 * j), result);

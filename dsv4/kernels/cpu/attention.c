@@ -63,7 +63,12 @@ INLINE void key_logits(const uint32_t *packed, const void **seen, int64_t first,
     __m512 acc[8];
     const uint32_t *key[8];
     for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps(), key[i] = (const uint32_t *)seen[k + i];
+    /* the next 8 keys' rows asked for a line at a time as these are read (each a different page) */
+    const char *next[8];
+    for (int i = 0; i < 8; i++) next[i] = k + 8 + i < last ? (const char *)seen[k + 8 + i] : (const char *)key[i];
     for (int64_t d = 0; d < steps; d++) {
+      if (d % 16 == 0)
+        for (int i = 0; i < 8; i++) _mm_prefetch(next[i] + d * 4, _MM_HINT_T0);
       const __m512i heads_word = _mm512_load_si512((const void *)(packed + d * 16));
 #pragma GCC unroll 8
       for (int i = 0; i < 8; i++) acc[i] = word_product(acc[i], heads_word, _mm512_set1_epi32((int)key[i][d]), fp32);

@@ -300,7 +300,6 @@ class FusedLayer:
         cpu_layer.decode_layer(pointers, params, self.floats, phases=cpu_layer.BACK)
 
 
-
 class FusedHead:
     """The head of a decode step's tokens as PagedModel's head kernel computes it (the mix kernel with
     hc_head's weights, then the product with the bf16 head), as two C calls whose arguments are bound once:

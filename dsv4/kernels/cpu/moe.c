@@ -27,7 +27,6 @@
  * whether the activations are fp32 (else bf16) */
 enum { M_TOKENS, M_PICKS, M_EXPERTS, M_HIDDEN, M_INTER, M_SHARED, M_FP32, M_COUNT };
 
-
 /* Hidden units: 0..picks-1 the picks', then each token's shared expert's. Each expert's weight rows
  * are read once for all of its picks (`dispatch` sorts them by expert, this rank's first). x and the
  * hidden units are bf16, or fp32 (p[M_FP32]); the weights bf16. */

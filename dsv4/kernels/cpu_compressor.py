@@ -29,6 +29,7 @@ def serves(projected: torch.Tensor, state: torch.Tensor) -> bool:
 # The row formats `store` packs (cpu/project.c's STORE_*): the fp32 or bf16 values of a main or index-key
 # row, or an index-key row's fp8 (dsv4/kernels/rows.py)
 STORE_FORMATS = ("fp32", "bf16", "fp8")
+MAX_STORE_SPAN = 1024  # cpu/project.c's compressor_store: the most slots a window pools
 
 
 def stores(windows: torch.Tensor, dtype: torch.dtype, row_format: str) -> bool:
@@ -58,18 +59,25 @@ def store(windows: torch.Tensor, norm: torch.Tensor, cos2: torch.Tensor, sin2: t
     if (any(t.dtype != torch.float32 for t in (norm, cos2, sin2)) or cos2.shape != (count, rope) or sin2.shape != cos2.shape
             or rope % 2 or rope > dims):
         problems.append("the norm and RoPE tables must be fp32, the tables [W, an even number of dims up to the rows']")
-    if pages.shape != (count,) or page_rows.shape != (count,) or span > 1024:
-        problems.append(f"pages and page_rows must be [W], a window at most 1024 slots (got {span})")
+    if pages.shape != (count,) or page_rows.shape != (count,) or span > MAX_STORE_SPAN:
+        problems.append(f"pages and page_rows must be [W], a window at most {MAX_STORE_SPAN} slots (got {span})")
     if problems:
         raise RuntimeError("cpu compressor store: " + "; ".join(problems))
-    params = (count, span, double_width // 2, dims, ratio, overlap, rope, dtype == torch.float32,
-              STORE_FORMATS.index(row_format), cache.stride(0), cache.stride(1))
+    params = store_params(count, span, double_width // 2, dims, ratio, overlap, rope, dtype, row_format, cache)
     inputs = [as_read(windows), as_read(norm), as_read(cos2), as_read(sin2), cache, as_read(pages, torch.int64),
               as_read(page_rows, torch.int64)]
     status = entry("compressor_store")(*(t.data_ptr() for t in inputs), (ctypes.c_int64 * len(params))(*params), eps,
                                        torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"cpu compressor store: windows of {span} slots are past its 1024")
+        raise RuntimeError(f"cpu compressor store: windows of {span} slots are past its {MAX_STORE_SPAN}")
+
+
+def store_params(count: int, span: int, width: int, dims: int, ratio: int, overlap: bool, rope: int, dtype: torch.dtype,
+                 row_format: str, cache: torch.Tensor) -> tuple[int, ...]:
+    """The store kernel's p[] (cpu/project.c's S_*) for `count` windows of `span` slots of [2 * width] into
+    `cache` rows of `dims` values as `row_format`, rotated over `rope` dims."""
+    return (count, span, width, dims, ratio, overlap, rope, dtype == torch.float32, STORE_FORMATS.index(row_format),
+            cache.stride(0), cache.stride(1))
 
 
 def feed_params(tokens: int, width: int, ratio: int, strides: tuple[int, int], dtype: torch.dtype, state: torch.Tensor,

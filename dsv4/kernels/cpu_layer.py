@@ -21,7 +21,8 @@ __all__ = ["BACK", "FLOATS", "FRONT", "PARAMS", "POINTERS", "WHOLE", "Params", "
 # cpu/layer.c's ptr[] order: the residual; the attention's mix weights; its projections' weights and the
 # RoPE tables; the positions; two compressors' ape, state and plan rows; the attention's pools, rows and
 # sink; the exit's weights; the MoE's mix weights; the MoE's token ids, router and weights; the new residual;
-# the intermediates kept between two phases (None: the call's own)
+# two compressors' stores (their norms and pools: None where the call stores nothing) and the new rows' RoPE
+# tables and places; the intermediates kept between two phases (None: the call's own)
 POINTERS = ("streams", "output", "post", "comb", "attn_fn", "attn_base", "attn_scale", "attn_norm",
             "w_input", "q_norm", "wq_b", "kv_norm", "cos2", "sin2", "positions",
             *(f"{name}_{c}" for c in (0, 1) for name in ("ape", "state", "state_slots", "state_rows", "update_slots",
@@ -29,12 +30,15 @@ POINTERS = ("streams", "output", "post", "comb", "attn_fn", "attn_base", "attn_s
             "window", "slots", "at", "sink", "comp_pool", "pages", "page_rows", "exists", "allowed",
             "wo_a", "wo_b", "ffn_fn", "ffn_base", "ffn_scale", "ffn_norm",
             "token_ids", "gate", "route", "w13", "w2", "shared_w13", "shared_w2",
-            "streams_out", "output_out", "post_out", "comb_out", "scratch")
+            "streams_out", "output_out", "post_out", "comb_out",
+            "store_norm_0", "store_cache_0", "store_norm_1", "store_cache_1", "window_cos2", "window_sin2", "window_pages",
+            "window_page_rows", "scratch")
 # cpu/layer.c's params[]: the layer's own p[] (`layer_params`), then each kernel's as its module builds it
-PARAMS = ("layer", "mix", "project", "feed_0", "feed_1", "attention", "exit", "route", "moe")
-FLOATS = ("hc_eps", "norm_eps", "project_eps", "attention_scale", "routed_scaling_factor", "swiglu_limit")
+PARAMS = ("layer", "mix", "project", "feed_0", "feed_1", "attention", "exit", "route", "moe", "store_0", "store_1")
+FLOATS = ("hc_eps", "norm_eps", "project_eps", "attention_scale", "routed_scaling_factor", "swiglu_limit",
+          "store_eps_0", "store_eps_1")
 # A call's phases (cpu/layer.c): FRONT through the compressors' feeds, which copy out the rows of the windows
-# that complete; BACK from the ring write on; WHOLE both
+# that complete; BACK from the ring write on; WHOLE both, and the stores between them where they are set
 FRONT, BACK, WHOLE = 1, 2, 3
 
 

@@ -244,6 +244,11 @@ class StatePools:
         return self._slots.view(f"layers.{layer}.indexer").view(self.state_dtype)
 
     # -- index-key fingerprints ---------------------------------------------------------------------
+    @property
+    def fingerprints_index_keys(self) -> bool:
+        """Whether the index keys' rows are fingerprinted (`record_index_keys` must follow every write of them)."""
+        return bool(self._index_fingerprints)
+
     def record_index_keys(self, layer: int, pages: torch.Tensor, rows: torch.Tensor) -> None:
         """Fingerprint index-key rows `index_keys(layer)[pages, rows]` as they now are, right after
         they were written; nothing when fingerprints are off."""

@@ -7,8 +7,9 @@ in the Python and torch ops around them.
 per forward, the batch's indices and RoPE tables that every layer reads; `DecodeBuffers` keeps the layers'
 residuals from step to step, and `FusedHead` the head's arguments. A layer runs fused where its
 indexer (a CSA layer's) does not select (`FusedLayer.serves`: contexts of at most index_topk compressed
-rows). Where windows of its compressors complete in the step, it runs in two calls around the
-compressors' own pooling and storing of the new rows (PagedCompressor.store), which its attention reads.
+rows). Where windows of its compressors complete in the step, the call also pools and stores their new
+rows, which its attention reads; where the pools fingerprint the index keys it would write, it runs in two
+calls around the compressors' own storing (PagedCompressor.store) and recording of them instead.
 Otherwise, and for batches that are not decode steps of at most cpu_project.KERNEL_TOKENS tokens, the
 layer runs as `_Block`. Both give the same bits."""
 
@@ -41,6 +42,8 @@ _COMP_POOL = _AT["comp_pool"]
 _FEED = [[_AT[f"{name}_{c}"] for name in ("state_slots", "state_rows", "update_slots", "update_rows", "update_sources",
                                          "window_sources")] for c in (0, 1)]
 _WINDOWS = [_AT["windows_0"], _AT["windows_1"]]
+_STORES = [[_AT[f"store_norm_{c}"], _AT[f"store_cache_{c}"]] for c in (0, 1)]
+_NEW_ROWS = [_AT[name] for name in ("window_cos2", "window_sin2", "window_pages", "window_page_rows")]
 _SCRATCH = _AT["scratch"]
 
 
@@ -66,10 +69,13 @@ class _Feed(NamedTuple):
 
 
 class DecodeBuffers:
-    """The residuals of decode steps of one token count, kept from step to step: the first layer's input
+    """What decode steps of one token count keep from step to step: the residuals, the first layer's input
     (its streams the embedded tokens', its output and post zero and its comb the identity, as
     Residual.start makes them) and every layer's output, in two sets by layer parity (a layer reads the
-    last one's, which it never writes)."""
+    last one's, which it never writes); and the layers' kernels' p[] arrays, by what they depend on (a kind
+    of layer's, in a step of ~5 us: built anew, ~25 us in situ)."""
+
+    MAX_PARAMS = 64  # p[] sets kept (they change with the compressed rows seen: a long context's are dropped)
 
     def __init__(self, tokens: int, streams: int, hidden: int, dtype: torch.dtype):
         def residual() -> Residual:
@@ -80,6 +86,7 @@ class DecodeBuffers:
         if start.post.dtype != torch.float32:
             raise RuntimeError(f"decode buffers: a {dtype} model's mixing weights are not fp32")
         self.start, self.outputs = start, [residual(), residual()]
+        self.params: dict[tuple, cpu_layer.Params] = {}
 
     def first(self, x: torch.Tensor) -> Residual:
         """The first layer's input for the embedded tokens x [T, hidden] (the buffers' start, x in its streams)."""
@@ -120,7 +127,9 @@ class DecodeStep:
                                       len(compress.update_slots), indices)
         self.inv_freq = ropes[False].inv_freq if False in ropes else None  # (the compressed layers')
         self._window_ropes: dict[int, Rope] = {}
-        self._params: dict[tuple, cpu_layer.Params] = {}
+        self._new_rows: dict[int, list[int]] = {}
+        self._held: list[torch.Tensor] = []  # (the tensors whose addresses `new_rows` gave)
+        self._params = buffers.params
         # The addresses every layer's call reads: by kind of layer (a window layer's RoPE tables or a
         # compressed one's) the tables, positions, slots, positions again (the ring's) and token ids; by
         # ratio, the compressed rows' (None: none yet) and the feeds' plan rows
@@ -144,6 +153,18 @@ class DecodeStep:
             rope = self._window_ropes[ratio] = Rope(self.compress[ratio].window_positions, self.inv_freq, dtype)
         return rope
 
+    def new_rows(self, ratio: int, dtype: torch.dtype) -> list[int]:
+        """The addresses of the RoPE tables (cos2, sin2) and the places (pages, page rows) of the new rows of
+        the windows of `ratio` that complete in the step, as a layer's call stores them."""
+        pointers = self._new_rows.get(ratio)
+        if pointers is None:
+            rope, compress = self.window_rope(ratio, dtype), self.compress[ratio]
+            held = [as_read(rope.cos2, torch.float32), as_read(rope.sin2, torch.float32),
+                    as_read(compress.window_pages, torch.int64), as_read(compress.window_page_rows, torch.int64)]
+            pointers = self._new_rows[ratio] = [t.data_ptr() for t in held]
+            self._held.extend(held)
+        return pointers
+
     @classmethod
     def of(cls, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int,
            buffers: Callable[[int], DecodeBuffers]) -> DecodeStep | None:
@@ -156,10 +177,15 @@ class DecodeStep:
         return cls(plan, ropes, index_topk, buffers(groups[0].batch))
 
     def params(self, layer: FusedLayer) -> cpu_layer.Params:
-        """`layer`'s kernels' p[] arrays for this step (one set per kind of layer)."""
-        params = self._params.get(layer.kind)
+        """`layer`'s kernels' p[] arrays for this step: its kind's, given the compressed rows it sees and how its
+        compressors advance (the buffers' from an earlier step where those were the same)."""
+        ratio = layer.ratio
+        key = (layer.kind,) if ratio is None else (layer.kind, self.seen[ratio].count, *self.feeds[ratio][:4])
+        params = self._params.get(key)
         if params is None:
-            params = self._params[layer.kind] = cpu_layer.Params(layer.params(self))
+            if len(self._params) >= DecodeBuffers.MAX_PARAMS:
+                self._params.clear()
+            params = self._params[key] = cpu_layer.Params(layer.params(self))
         return params
 
 
@@ -184,6 +210,12 @@ class FusedLayer:
             self.feeds.append((as_read(attn.index_compressor.ape, torch.float32), pools.indexer_state(layer),
                                attn.rest_start + attn.rest_widths[0]))
             self.stores.append((attn.index_compressor, pools.index_keys(layer), pools.index_format))
+        # Where windows complete, the call stores their rows itself (cpu/layer.c), unless the pools fingerprint
+        # the index keys it writes: `_around_new_rows` stores and records them instead
+        self.stores_in_call = (bool(self.stores) and not pools.fingerprints_index_keys
+                               and all(format_ in cpu_compressor.STORE_FORMATS for _, _, format_ in self.stores)
+                               and all(state.shape[1] <= cpu_compressor.MAX_STORE_SPAN for _, state, _ in self.feeds))
+        self.store_targets = [(as_read(compressor.norm, torch.float32), cache) for compressor, cache, _ in self.stores]
         self.window_pool = pools.window(layer)
         self.compressed_pool = pools.compressed_rows(layer) if self.ratio is not None else None
         gate, route = ffn.router
@@ -209,13 +241,15 @@ class FusedLayer:
         self.comp_pool = pointers["comp_pool"]
         self.pointers = cpu_layer.pointers([pointers.get(name) for name in cpu_layer.POINTERS])
         self.mix_constants = mix_constants
+        store_eps = [compressor.norm_eps for compressor, _, _ in self.stores] + [0.0] * (2 - len(self.stores))
         self.floats = (ctypes.c_float * len(cpu_layer.FLOATS))(
             mix_constants["hc_eps"], mix_constants["norm_eps"], cfg.rms_norm_eps, softmax_scale(cfg),
-            ffn.routing["routed_scaling_factor"], cfg.swiglu_limit)
+            ffn.routing["routed_scaling_factor"], cfg.swiglu_limit, *store_eps)
         # Layers of one kind share their kernels' p[] in a step: everything `params` reads of the layer
         pools_read = (self.window_pool, self.compressed_pool)
         self.kind = (self.window, self.ratio, tuple(self.shapes.items()), tuple(self.moe.items()), tuple(self.routing.items()),
                      tuple((ape.shape, state.stride(), column) for ape, state, column in self.feeds),
+                     tuple((c.width, c.dim, c.ratio, c.overlap, format_, cache.stride()) for c, cache, format_ in self.stores),
                      tuple(None if pool is None else (pool.shape[1:], pool.stride()) for pool in pools_read))
 
     @staticmethod
@@ -238,12 +272,15 @@ class FusedLayer:
         T, cfg, dtype, s, moe = step.tokens, self.cfg, self.dtype, self.shapes, self.moe
         hidden, n, rope = cfg.hidden_size, cfg.hc_mult, step.tables[self.window][0].shape[-1]
         count = 0 if self.ratio is None else step.seen[self.ratio].count
-        feeds = []
-        for ape, state, _ in self.feeds:
+        feeds, stores = [], []
+        for (ape, state, _), (compressor, cache, format_) in zip(self.feeds, self.stores, strict=True):
             feed = step.feeds[self.ratio]
             feeds.append(cpu_compressor.feed_params(T, ape.shape[1], ape.shape[0], (s["width"], 1), dtype, state,
                                                     feed.read, feed.windows, feed.span, feed.updates))
+            stores.append(cpu_compressor.store_params(feed.windows, feed.span, compressor.width, compressor.dim,
+                                                      compressor.ratio, compressor.overlap, rope, dtype, format_, cache))
         feeds += [(0,)] * (2 - len(feeds))
+        stores += [(0,)] * (2 - len(stores))
         return [cpu_layer.layer_params(T, n, hidden, s["width"], s["q_rank"], s["dim"], s["heads"], dtype,
                                        self.window_pool, [column for _, _, column in self.feeds], moe["tiles"]),
                 cpu_mhc.mix_params(T, n, hidden, self.mix_constants["sinkhorn_iters"], dtype),
@@ -254,7 +291,8 @@ class FusedLayer:
                 cpu_project.exit_params(T, s["heads"], s["dim"], s["groups"], s["o_rank"], hidden, rope, dtype),
                 cpu_moe.route_params(T, hidden, moe["experts"], dtype=dtype, hashed=moe["hashed"], **self.routing),
                 cpu_moe.moe_params(T, T * self.routing["top_k"], self.routing["local_experts"], hidden, moe["inter"],
-                                   moe["shared"], dtype)]
+                                   moe["shared"], dtype),
+                *stores]
 
     def __call__(self, residual: Residual, step: DecodeStep) -> Residual:
         """The layer's output residual (its MoE's output unwritten, as `_Block` returns it)."""
@@ -266,6 +304,8 @@ class FusedLayer:
         for at, address in zip(_STEP, step.pointers[self.window], strict=True):
             pointers[at] = address
         pointers[_SCRATCH] = None
+        for norm, cache in _STORES:  # (no store unless windows complete)
+            pointers[norm] = pointers[cache] = None
         if self.ratio is not None:
             rows, feed = step.ratio_pointers[self.ratio]
             pointers[_COMP_POOL] = None if rows is None else self.comp_pool  # (None: no compressed row yet)
@@ -276,11 +316,25 @@ class FusedLayer:
                 for at, address in zip(_FEED[c], feed, strict=True):
                     pointers[at] = address
             windows = step.feeds[self.ratio].windows
-            if windows:
+            if windows and self.stores_in_call:
+                self._storing(pointers, step, windows)
+            elif windows:
                 self._around_new_rows(pointers, step, windows)
                 return out
         cpu_layer.decode_layer(pointers, step.params(self), self.floats)
         return out
+
+    def _storing(self, pointers: ctypes.Array, step: DecodeStep, windows: int) -> None:
+        """Sets the pointers of the call's stores of the rows of the `windows` windows that complete in the step
+        (each compressor's windows' slots, its norm and pool, the rows' RoPE tables and places)."""
+        span = step.feeds[self.ratio].span
+        self._slots = [torch.empty(windows, span, 2 * ape.shape[1]) for ape, _, _ in self.feeds]  # (fp32, as feed's)
+        for at, tensor in zip(_WINDOWS, self._slots, strict=False):
+            pointers[at] = tensor.data_ptr()
+        for (norm_at, cache_at), (norm, cache) in zip(_STORES, self.store_targets, strict=False):
+            pointers[norm_at], pointers[cache_at] = norm.data_ptr(), cache.data_ptr()
+        for at, address in zip(_NEW_ROWS, step.new_rows(self.ratio, self.dtype), strict=True):
+            pointers[at] = address
 
     def _around_new_rows(self, pointers: ctypes.Array, step: DecodeStep, windows: int) -> None:
         """The layer's call in two phases around its compressors' storing of the rows of the `windows`

@@ -2,9 +2,10 @@
 through the kernels one at a time (`_Block`): the same logits and the same state, to the bit.
 
 Two copies of each request run side by side, one fused and one not, from the same prompt. Their decode
-steps cross every case the fused path meets: windows of both ratios completing (a layer's call then in two
-phases around the compressors' storing), the indexer starting to select (tiny's index_topk is 16 rows,
-64 tokens at ratio 4: `_Block` then runs the CSA layers), the ring wrapping."""
+steps cross every case the fused path meets: windows of both ratios completing (a layer's call then stores
+their rows; with index keys fingerprinted, it runs in two phases around the compressors' storing), the
+indexer starting to select (tiny's index_topk is 16 rows, 64 tokens at ratio 4: `_Block` then runs the CSA
+layers), the ring wrapping."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ PROMPTS = (56, 40, 61)  # the three requests' prompt lengths
 STEPS = 80  # positions up to 140: CSA windows every 4, the indexer from 64, HCA's window at 127, the ring's wrap
 
 
-def make_runner(tiny_ckpt, dtype: str) -> ModelRunner:
+def make_runner(tiny_ckpt, dtype: str, fingerprints: bool = False) -> ModelRunner:
+    """`fingerprints`: the pools fingerprint the index keys (as with --verify-indexer), no tick verified."""
     cfg = ModelConfig.from_json(tiny_ckpt)
     weights = load_state_dict(tiny_ckpt, cfg, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
     args = ServerArgs(dtype=dtype, page_size=PAGE, max_running_requests=6, max_total_tokens=12 * PAGE,
-                      disable_compile=True)
+                      disable_compile=True, verify_indexer="count" if fingerprints else "off",
+                      verify_indexer_every=10**9)
     runner = ModelRunner(cfg, weights, args)
     runner.begin_tenancies([(p, 1) for p in range(runner.num_pages)], [(s, 1) for s in range(runner.num_slots)])
     return runner
@@ -40,16 +43,21 @@ def chunk(copy: int, request: int, start: int, ids) -> ForwardChunk:
                         page_ids=(2 * slot, 2 * slot + 1), page_generations=(1, 1), sample=True)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_layers_equal_the_kernels_one_by_one(tiny_ckpt, dtype, monkeypatch):
-    runner = make_runner(tiny_ckpt, dtype)
+@pytest.mark.parametrize("dtype,fingerprints", [("float32", False), ("bfloat16", False), ("float32", True)])
+def test_fused_decode_layers_equal_the_kernels_one_by_one(tiny_ckpt, dtype, fingerprints, monkeypatch):
+    runner = make_runner(tiny_ckpt, dtype, fingerprints)
     model, cfg = runner.model, runner.cfg
     fused = model.fused
     assert all(layer is not None for layer in fused)
-    calls = []
-    run = cpu_layer.decode_layer
-    monkeypatch.setattr(cpu_layer, "decode_layer",
-                        lambda *args, phases=cpu_layer.WHOLE: (calls.append(phases), run(*args, phases=phases)))
+    calls, stores = [], []
+    run, store_at = cpu_layer.decode_layer, cpu_layer.POINTERS.index("store_norm_0")
+
+    def decode_layer(pointers, *args, phases=cpu_layer.WHOLE):
+        calls.append(phases)
+        stores.append(pointers[store_at] is not None)
+        return run(pointers, *args, phases=phases)
+
+    monkeypatch.setattr(cpu_layer, "decode_layer", decode_layer)
 
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=generator).tolist() for n in PROMPTS]
@@ -71,10 +79,13 @@ def test_fused_decode_layers_equal_the_kernels_one_by_one(tiny_ckpt, dtype, monk
         assert torch.equal(logits[0], logits[1]), f"decode step {step}"
         last = logits[0].argmax(-1).tolist()
     model.fused = fused
-    # Every step ran some layer fused, some in two phases; not every layer ran fused in every step
+    # Every step ran some layer fused, some storing new rows (in the call, or in two phases around the
+    # compressors' storing where index keys are fingerprinted); not every layer ran fused in every step
     assert fused_steps == STEPS
-    assert calls.count(cpu_layer.FRONT) == calls.count(cpu_layer.BACK) > 0
-    assert 0 < calls.count(cpu_layer.WHOLE) + calls.count(cpu_layer.FRONT) < STEPS * cfg.num_layers
+    two_phase = calls.count(cpu_layer.FRONT)
+    assert two_phase == calls.count(cpu_layer.BACK) and (two_phase > 0) == fingerprints
+    assert (sum(stores) > 0) != fingerprints
+    assert 0 < calls.count(cpu_layer.WHOLE) + two_phase < STEPS * cfg.num_layers
 
     pools = runner.pools
     for layer, kind in enumerate(cfg.compress_ratios):

@@ -10,11 +10,14 @@
  *   decode_exit            -> the attention sublayer's output y
  *   mhc_mix (the MoE's)    -> the new streams, post and comb, and the MoE's input
  *   moe_routed             -> the MoE's output, rounded into the model's dtype
- * A step in which windows of the layer's compressors complete runs in two calls around the model's pooling
- * and storing of the new rows (which the attention then reads): phase FRONT (the mix, the projections and
- * the feeds, whose windows' rows it copies out), then BACK (the rest), the intermediates kept between them
- * in the caller's scratch (decode_layer_scratch bytes). Each kernel runs its own parallel region, as when
- * called alone. */
+ * In a step in which windows of the layer's compressors complete, the attention reads their new rows:
+ *   compressor_store       -> each fed compressor's new rows (its windows' slots, as its feed copied them
+ *                             out), pooled, normed, rotated and packed where they lie in its pool
+ * runs between the feeds and the ring write, where the caller sets the stores' pointers. A caller that
+ * stores them itself (dsv4/model/decode_layer.py: where index keys are fingerprinted) runs the layer in two
+ * calls around its storing instead: phase FRONT (the mix, the projections and the feeds), then BACK (the
+ * rest), the intermediates kept between them in the caller's scratch (decode_layer_scratch bytes). Each
+ * kernel runs its own parallel region, as when called alone. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,6 +41,8 @@ int decode_attention(const void *q, const uint8_t *window, const int64_t *slots,
                      int threads);
 int decode_exit(void *out, const float *cos2, const float *sin2, const uint16_t *wo_a, const uint16_t *wo_b,
                 void *result, const int64_t *p, int threads);
+int compressor_store(const float *windows, const float *norm, const float *cos2, const float *sin2, uint8_t *cache,
+                     const int64_t *pages, const int64_t *page_rows, const int64_t *p, float eps, int threads);
 int moe_routed(const void *x, const float *gate, const void *route, const int64_t *token_ids, const uint16_t *w13,
                const uint16_t *w2, const uint16_t *shared_w13, const uint16_t *shared_w2, float *out,
                const int64_t *rp, const int64_t *mp, float scaling, float limit, int tiles, int threads);
@@ -56,11 +61,14 @@ enum {
   FFN_FN, FFN_BASE, FFN_SCALE, FFN_NORM,                           /* the MoE's mix */
   TOKEN_IDS, GATE, ROUTE, W13, W2, SHARED_W13, SHARED_W2,          /* the MoE */
   STREAMS_OUT, OUTPUT_OUT, POST_OUT, COMB_OUT,                     /* the new residual */
+  /* the compressor's and the indexer's stores (NULL: none in this call), and where the new rows go */
+  STORE_NORM_0, STORE_CACHE_0, STORE_NORM_1, STORE_CACHE_1, WINDOW_COS2, WINDOW_SIN2, WINDOW_PAGES, WINDOW_PAGE_ROWS,
   SCRATCH,                                                         /* the intermediates (NULL: allocated here) */
   POINTER_COUNT
 };
 /* params[]: each kernel's p[] as its wrapper builds it, and the layer's own (L_*) */
-enum { P_LAYER, P_MIX, P_PROJECT, P_FEED_0, P_FEED_1, P_ATTENTION, P_EXIT, P_ROUTE, P_MOE, PARAM_COUNT };
+enum { P_LAYER, P_MIX, P_PROJECT, P_FEED_0, P_FEED_1, P_ATTENTION, P_EXIT, P_ROUTE, P_MOE, P_STORE_0, P_STORE_1,
+       PARAM_COUNT };
 /* the layer's p[]: tokens, streams, hidden size, w_input's rows, q_lora_rank, head_dim, heads, fp32 (else
  * bf16), the window W, the ring's slot and row strides (bytes), compressors fed (0..2), where each one's
  * kv | gate columns start in the projected row, whether the MoE runs on AMX tiles */
@@ -68,8 +76,9 @@ enum { L_TOKENS, L_STREAMS, L_HIDDEN, L_WIDTH, L_Q_RANK, L_DIM, L_HEADS, L_FP32,
        L_FEEDS, L_FEED_COLUMN_0, L_FEED_COLUMN_1, L_TILES, L_COUNT };
 enum { FRONT = 1, BACK = 2 }; /* `phases`: which of them a call runs */
 /* f[]: the mixes' hc_eps and norm eps, the projections' norm eps, the attention's scale, the MoE's
- * routed scaling factor and SwiGLU limit */
-enum { F_HC_EPS, F_NORM_EPS, F_PROJECT_EPS, F_ATTENTION_SCALE, F_SCALING, F_SWIGLU_LIMIT, FLOAT_COUNT };
+ * routed scaling factor and SwiGLU limit, the stores' norm eps */
+enum { F_HC_EPS, F_NORM_EPS, F_PROJECT_EPS, F_ATTENTION_SCALE, F_SCALING, F_SWIGLU_LIMIT, F_STORE_EPS_0, F_STORE_EPS_1,
+       FLOAT_COUNT };
 
 enum { MID_STREAMS, X, MID_POST, MID_COMB, Q, KV, QR, PROJECTED, ATTENDED, Y, MOE_X, MOE_OUT, PARTS };
 
@@ -116,6 +125,10 @@ int decode_layer(void *const *ptr, const int64_t *const *params, const float *f,
                              ptr[UPDATE_SLOTS_0 + o], ptr[UPDATE_ROWS_0 + o], ptr[UPDATE_SOURCES_0 + o],
                              ptr[WINDOWS_0 + o], params[P_FEED_0 + c]);
   }
+  for (int64_t c = 0; c < p[L_FEEDS] && !status && phases == (FRONT | BACK) && ptr[STORE_NORM_0 + 2 * c]; c++)
+    status = compressor_store(ptr[WINDOWS_0 + c * (APE_1 - APE_0)], ptr[STORE_NORM_0 + 2 * c], ptr[WINDOW_COS2],
+                              ptr[WINDOW_SIN2], ptr[STORE_CACHE_0 + 2 * c], ptr[WINDOW_PAGES], ptr[WINDOW_PAGE_ROWS],
+                              params[P_STORE_0 + c], f[F_STORE_EPS_0 + c], threads);
   if (!(phases & BACK)) {
     if (!ptr[SCRATCH]) free(scratch);
     return status;

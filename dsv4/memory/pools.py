@@ -35,6 +35,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 from functools import cache
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -113,7 +114,8 @@ def compressor_state_rows(kind: str, ratio: int) -> int:
     return 2 * ratio if kind == CSA else ratio
 
 
-def _stale(what: str, unit: int, generation: int, current: int) -> None:
+def _stale(what: str, unit: int, generation: int, current: int) -> NoReturn:
+    """Raises StaleReference for a `generation` of `unit` that is not its `current` one."""
     why = "is stale" if generation < current else "was never handed out"
     raise StaleReference(f"{what} {unit}: generation {generation} {why} (now at generation {current})")
 

@@ -316,35 +316,39 @@ class FusedLayer:
                 for at, address in zip(_FEED[c], feed, strict=True):
                     pointers[at] = address
             windows = step.feeds[self.ratio].windows
-            if windows and self.stores_in_call:
-                self._storing(pointers, step, windows)
-            elif windows:
-                self._around_new_rows(pointers, step, windows)
-                return out
+            if windows:
+                slots = self._window_slots(pointers, step, windows)  # (held through the calls)
+                if not self.stores_in_call:
+                    self._around_new_rows(pointers, step, slots)
+                    return out
+                self._set_stores(pointers, step)
         cpu_layer.decode_layer(pointers, step.params(self), self.floats)
         return out
 
-    def _storing(self, pointers: ctypes.Array, step: DecodeStep, windows: int) -> None:
-        """Sets the pointers of the call's stores of the rows of the `windows` windows that complete in the step
-        (each compressor's windows' slots, its norm and pool, the rows' RoPE tables and places)."""
+    def _window_slots(self, pointers: ctypes.Array, step: DecodeStep, windows: int) -> list[torch.Tensor]:
+        """Where each fed compressor's feed copies out the slots of the `windows` windows that complete in the
+        step (fp32, as `feed` returns them), their pointers set."""
         span = step.feeds[self.ratio].span
-        self._slots = [torch.empty(windows, span, 2 * ape.shape[1]) for ape, _, _ in self.feeds]  # (fp32, as feed's)
-        for at, tensor in zip(_WINDOWS, self._slots, strict=False):
+        slots = [torch.empty(windows, span, 2 * ape.shape[1]) for ape, _, _ in self.feeds]
+        for at, tensor in zip(_WINDOWS, slots, strict=False):
             pointers[at] = tensor.data_ptr()
+        return slots
+
+    def _set_stores(self, pointers: ctypes.Array, step: DecodeStep) -> None:
+        """Sets the pointers of the call's stores of the rows of the windows that complete in the step (each
+        compressor's norm and pool, the rows' RoPE tables and places)."""
         for (norm_at, cache_at), (norm, cache) in zip(_STORES, self.store_targets, strict=False):
             pointers[norm_at], pointers[cache_at] = norm.data_ptr(), cache.data_ptr()
         for at, address in zip(_NEW_ROWS, step.new_rows(self.ratio, self.dtype), strict=True):
             pointers[at] = address
 
-    def _around_new_rows(self, pointers: ctypes.Array, step: DecodeStep, windows: int) -> None:
-        """The layer's call in two phases around its compressors' storing of the rows of the `windows`
-        windows that complete in the step, as PagedAttention stores them: the attention reads them."""
-        params, span = step.params(self), step.feeds[self.ratio].span
+    def _around_new_rows(self, pointers: ctypes.Array, step: DecodeStep, slots: list[torch.Tensor]) -> None:
+        """The layer's call in two phases around its compressors' storing of the rows of the windows that
+        complete in the step (their slots copied out into `slots`), as PagedAttention stores them: the
+        attention reads them."""
+        params = step.params(self)
         scratch = torch.empty(cpu_layer.scratch_bytes(params), dtype=torch.uint8)
-        slots = [torch.empty(windows, span, 2 * ape.shape[1]) for ape, _, _ in self.feeds]  # (fp32, as feed's)
         pointers[_SCRATCH] = scratch.data_ptr()
-        for at, tensor in zip(_WINDOWS, slots, strict=False):
-            pointers[at] = tensor.data_ptr()
         cpu_layer.decode_layer(pointers, params, self.floats, phases=cpu_layer.FRONT)
         compress, rope = step.compress[self.ratio], step.window_rope(self.ratio, self.dtype)
         for (compressor, cache, row_format), rows in zip(self.stores, slots, strict=True):

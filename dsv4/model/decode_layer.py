@@ -5,7 +5,7 @@ in the Python and torch ops around them.
 
 `FusedLayer` binds a layer's weights, pools and constants at construction; `DecodeStep` prepares, once
 per forward, the batch's indices and RoPE tables that every layer reads; `DecodeBuffers` keeps the layers'
-residuals from step to step, and `FusedHead` the head's arguments. A layer runs fused where its
+residuals and their kernels' p[] arrays from step to step. A layer runs fused where its
 indexer (a CSA layer's) does not select (`FusedLayer.serves`: contexts of at most index_topk compressed
 rows). Where windows of its compressors complete in the step, the call also pools and stores their new
 rows, which its attention reads; where the pools fingerprint the index keys it would write, it runs in two
@@ -23,7 +23,7 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.kernels import cpu_attention, cpu_compressor, cpu_layer, cpu_mhc, cpu_moe, cpu_project
-from dsv4.kernels.cpu_library import as_read, entry
+from dsv4.kernels.cpu_library import as_read
 from dsv4.memory.pools import StatePools
 
 from .attention import decodes_wrote_ring, softmax_scale
@@ -357,44 +357,3 @@ class FusedLayer:
             self.pools.record_index_keys(self.layer, compress.window_pages, compress.window_page_rows)
         cpu_layer.decode_layer(pointers, params, self.floats, phases=cpu_layer.BACK)
 
-
-class FusedHead:
-    """The head of a decode step's tokens as PagedModel's head kernel computes it (the mix kernel with
-    hc_head's weights, then the product with the bf16 head), as two C calls whose arguments are bound once:
-    the weights at construction, the buffers and p[] arrays by token count at its first step."""
-
-    def __init__(self, head: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                 norm: torch.Tensor, mix_constants: dict):
-        """PagedModel._head_kernel's tensors: the bf16 head, the padded mix weights and the final norm."""
-        self.bound = [as_read(t) for t in (fn, base, scale, norm, head)]
-        self.vocab, self.mix_constants = head.shape[0], mix_constants
-        self._calls: dict[int, tuple] = {}
-
-    def __call__(self, residual: Residual) -> torch.Tensor:
-        """fp32 logits [T, vocab] of the streams of `residual` (a fused layer's output) with its output written."""
-        tokens = residual.output.shape[0]
-        call = self._calls.get(tokens)
-        if call is None:
-            call = self._calls[tokens] = self._bind(residual)
-        outputs, mix_args, mix_params, logits_params = call
-        inputs = [as_read(t) for t in residual]  # (a fused layer's are as read; held through the call)
-        threads = torch.get_num_threads()
-        if entry("mhc_mix")(*(t.data_ptr() for t in inputs), *mix_args, mix_params, self.mix_constants["hc_eps"],
-                            self.mix_constants["norm_eps"], threads):
-            raise MemoryError("head mix: the kernel could not allocate its scratch memory")
-        logits = torch.empty(tokens, self.vocab)
-        if entry("decode_logits")(outputs[1].data_ptr(), self.bound[4].data_ptr(), logits.data_ptr(), logits_params,
-                                  threads):
-            raise RuntimeError(f"head logits: {tokens} rows are past the kernel's {cpu_project.KERNEL_TOKENS}")
-        return logits
-
-    def _bind(self, residual: Residual) -> tuple:
-        """For `residual`'s token count: the mix's outputs (its streams, x, post and comb; only x is read), its
-        weights' and outputs' addresses, and both calls' p[] arrays."""
-        tokens, hidden = residual.output.shape
-        n, dtype = residual.streams.shape[1], residual.streams.dtype
-        outputs = [torch.empty(t.shape, dtype=t.dtype) for t in residual]
-        mix = cpu_mhc.mix_params(tokens, n, hidden, self.mix_constants["sinkhorn_iters"], dtype)
-        logits = (tokens, hidden, self.vocab, dtype == torch.float32)
-        return (outputs, [t.data_ptr() for t in (*self.bound[:4], *outputs)], (ctypes.c_int64 * len(mix))(*mix),
-                (ctypes.c_int64 * len(logits))(*logits))

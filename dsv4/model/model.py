@@ -20,7 +20,7 @@ from dsv4.memory.pools import StatePools
 
 from .attention import PagedAttention
 from .compile import Pieces, eager_pieces
-from .decode_layer import DecodeBuffers, DecodeStep, FusedHead, FusedLayer
+from .decode_layer import DecodeBuffers, DecodeStep, FusedLayer
 from .mhc import HyperConnection, Residual, hc_head
 from .moe import GroupedMoE
 from .ops import Rope, accumulation_dtype, as_bf16, layer_inv_freq, linear, rms_norm
@@ -58,11 +58,9 @@ class PagedModel:
         self.embed, self.head, self.norm = w("embed.weight"), w("head.weight"), w("norm.weight")
         self.hc_head_weights = (w("hc_head_fn"), w("hc_head_base"), w("hc_head_scale"))
         self.head_kernel = self._head_kernel(cfg)
-        self.fused_head = (FusedHead(*self.head_kernel, self.pieces.mix.keywords) if self.head_kernel is not None
-                           else None)
         self.blocks = [_Block(cfg, i, w, pools, self.kernels, shard, reduce) for i in range(cfg.num_layers)]
         # Each layer of a decode step as one C call where the CPU's kernels take all of it (None: they do not)
-        self._decode_residuals: dict[int, DecodeBuffers] = {}  # by token count (`_decode_buffers`)
+        self._buffers_by_tokens: dict[int, DecodeBuffers] = {}  # (`_decode_buffers`)
         self.fused = [FusedLayer(cfg, i, block, pools, dtype, self.pieces.mix.keywords)
                       if FusedLayer.usable(block, pools, dtype, self.pieces.mix) else None
                       for i, block in enumerate(self.blocks)]
@@ -103,8 +101,6 @@ class PagedModel:
             last = residual  # (every token's row, in order)
         else:
             last = residual.rows(torch.cat([plan.sample_tokens, plan.prompt_tokens]))
-        if self.fused_head is not None and step is not None and last is residual:
-            return self.fused_head(last)
         if self.head_kernel is not None and last.output.shape[0] <= cpu_project.KERNEL_TOKENS:
             head, *mix_weights = self.head_kernel
             return cpu_project.logits(self.pieces.mix(*last, *mix_weights)[1], head)
@@ -112,10 +108,10 @@ class PagedModel:
         return linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.head).float()
 
     def _decode_buffers(self, tokens: int) -> DecodeBuffers:
-        """The fused layers' residuals for decode steps of `tokens` tokens (made at the first such step)."""
-        buffers = self._decode_residuals.get(tokens)
+        """What decode steps of `tokens` tokens keep from step to step (made at the first such step)."""
+        buffers = self._buffers_by_tokens.get(tokens)
         if buffers is None:
-            buffers = self._decode_residuals[tokens] = DecodeBuffers(tokens, self.cfg.hc_mult, self.cfg.hidden_size,
+            buffers = self._buffers_by_tokens[tokens] = DecodeBuffers(tokens, self.cfg.hc_mult, self.cfg.hidden_size,
                                                                      self.dtype)
         return buffers
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 from functools import cache
-from typing import NoReturn
 
 import numpy as np
 import torch
@@ -45,7 +44,6 @@ from dsv4.kernels.rows import index_row_bytes, main_row_bytes
 
 INDEX_RATIO = 4  # the lightning indexer's compressor runs at CSA's ratio
 _ALIGN = 64  # region offsets and unit sizes: keeps every typed view aligned for any dtype
-_FEW_IDS = 16  # `_Units.bind` checks lists of at most this many ids in Python
 _MODEL_DTYPE_ROW_FORMAT = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 _INDEX_KEY_DTYPES = ("fp8", "bf16", "fp32")
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
@@ -114,12 +112,6 @@ def compressor_state_rows(kind: str, ratio: int) -> int:
     return 2 * ratio if kind == CSA else ratio
 
 
-def _stale(what: str, unit: int, generation: int, current: int) -> NoReturn:
-    """Raises StaleReference for a `generation` of `unit` that is not its `current` one."""
-    why = "is stale" if generation < current else "was never handed out"
-    raise StaleReference(f"{what} {unit}: generation {generation} {why} (now at generation {current})")
-
-
 class _Units:
     """A [count, unit_bytes] byte buffer carved into named regions, each viewable per unit."""
 
@@ -155,28 +147,13 @@ class _Units:
 
     def bind(self, what: str, ids, generations) -> None:
         """Raises unless every (id, generation) names the id's current tenancy."""
-        if isinstance(ids, list | tuple) and len(ids) <= _FEW_IDS and isinstance(generations, list | tuple):
-            self._bind_few(what, ids, generations)
-            return
         ids, generations = self._checked(what, ids, generations)
         current = self.generations[ids]
         wrong = generations != current
         if wrong.any():
             i = int(np.argmax(wrong))
-            _stale(what, ids[i], generations[i], current[i])
-
-    def _bind_few(self, what: str, ids, generations) -> None:
-        """`bind` of a few ids (a decode step's pages and slots), in Python: numpy's cost a call (~1 us) was
-        most of a c=1 decode step's checks."""
-        if len(ids) != len(generations):
-            raise ValueError(f"{what}: {len(ids)} ids but {len(generations)} generations")
-        count = len(self.generations)
-        if not all(0 <= i < count for i in ids):
-            raise IndexError(f"{what} id out of range 0..{count - 1}: {list(ids)}")
-        for i, generation in zip(ids, generations, strict=True):
-            current = int(self.generations[i])
-            if generation != current:
-                _stale(what, i, generation, current)
+            why = "is stale" if generations[i] < current[i] else "was never handed out"
+            raise StaleReference(f"{what} {ids[i]}: generation {generations[i]} {why} (now at generation {current[i]})")
 
     def _checked(self, what: str, ids, generations) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)

@@ -21,7 +21,7 @@ from dsv4.config import ModelConfig, cache_dir
 from dsv4.memory.pools import StatePools
 from dsv4.model.compile import compile_pieces
 from dsv4.model.model import PagedModel
-from dsv4.model.plan import build_plan
+from dsv4.model.plan import DecodePlanner, build_plan
 from dsv4.model.sharding import Reducer, ShardPlan
 from dsv4.protocol import ForwardBatch
 
@@ -83,6 +83,7 @@ class ModelRunner:
             self.model.pieces = compile_pieces(self.model, args.compile_timeout, cache_dir() / "compiled",
                                              self.cpu_threads)
         self.compiled = self.model.pieces.compiled
+        self.decode_planner = DecodePlanner(cfg, self.page_size)
         self.index_query_oracle = (IndexQueryOracle(cfg, weights, self.dtype, self.device)
                                    if args.verify_indexer == "full" else None)
         self.indexer_check: IndexerVerifier | None = None  # of the last forward, when it was verified
@@ -102,13 +103,18 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if not batch.chunks:
             return torch.zeros((0, self.cfg.vocab_size), dtype=torch.float32)
+        if self.device.type == "cpu":  # this thread runs the forward: the setting is the calling thread's
+            torch.set_num_threads(self.cpu_threads)
+        verified = self.verify_indexer and batch.tick % self.verify_indexer_every == 0
+        if not verified and any(self.model.fused):  # a step whose every layer is one C call needs no more
+            decode = self.decode_planner.plan(batch)
+            if decode is not None and self.model.runs_fused(decode):
+                return self.model.forward(decode).cpu()
         plan = build_plan(self.cfg, batch, self.page_size)
         if self.device.type != "cpu":
             plan = plan.to(self.device)
-        else:  # this thread runs the forward: the setting is the calling thread's
-            torch.set_num_threads(self.cpu_threads)
         verifier = None
-        if self.verify_indexer and batch.tick % self.verify_indexer_every == 0:
+        if verified:
             verifier = IndexerVerifier(plan, self.pools, self.cfg.index_topk, self.index_query_oracle)
         logits = self.model.forward(plan, verifier)
         self.indexer_check = verifier

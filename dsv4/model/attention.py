@@ -143,7 +143,7 @@ class PagedAttention:
         if self.compressor is not None:  # rows of windows this batch completes, before any query reads them
             compress = plan.compress[self.ratio]
             # the new rows' positions; most decode steps complete no window and need no tables
-            window_rope = Rope(compress.window_positions, rope.inv_freq, x.dtype) if len(compress.window_positions) else None
+            window_rope = rope.at(compress.window_positions) if len(compress.window_positions) else None
             self.compressor.advance(compressor_inputs[0], positions, compress, window_rope,
                                     pools.compressor_state(self.layer), pools.compressed_rows(self.layer),
                                     pools.main_format, kernels=self.kernels, feed_rows=pieces.compressor_feed)

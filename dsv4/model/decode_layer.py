@@ -4,8 +4,9 @@ them, from tensors bound once. A c=1 decode layer of `small` spent ~250 us in it
 in the Python and torch ops around them.
 
 `FusedLayer` binds a layer's weights, pools and constants at construction; `DecodeStep` prepares, once
-per forward, the batch's indices and RoPE tables that every layer reads; `DecodeBuffers` keeps the layers'
-residuals and their kernels' p[] arrays from step to step. A layer runs fused where its
+per forward, the batch's indices (from its DecodePlan, dsv4/model/plan.py) and RoPE tables that every layer
+reads; `DecodeBuffers` keeps the layers' residuals and their kernels' p[] arrays from step to step. A forward
+every layer of which runs fused is planned as a DecodePlan alone (ModelRunner, `PagedModel.runs_fused`). A layer runs fused where its
 indexer (a CSA layer's) does not select (`FusedLayer.serves`: contexts of at most index_topk compressed
 rows). Where windows of its compressors complete in the step, the call also pools and stores their new
 rows, which its attention reads; where the pools fingerprint the index keys it would write, it runs in two
@@ -16,7 +17,6 @@ layer runs as `_Block`. Both give the same bits."""
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -26,10 +26,10 @@ from dsv4.kernels import cpu_attention, cpu_compressor, cpu_layer, cpu_mhc, cpu_
 from dsv4.kernels.cpu_library import as_read
 from dsv4.memory.pools import StatePools
 
-from .attention import decodes_wrote_ring, softmax_scale
+from .attention import softmax_scale
 from .mhc import Residual
 from .ops import Rope
-from .plan import BatchPlan
+from .plan import DecodePlan
 
 _AT = {name: i for i, name in enumerate(cpu_layer.POINTERS)}
 # Where FusedLayer.__call__ puts each of its call's pointers that are not bound: the residual in and out, the
@@ -95,24 +95,20 @@ class DecodeBuffers:
 
 
 class DecodeStep:
-    """A batch of decode tokens as every layer's one call reads it (`of`), prepared once a forward."""
+    """A batch of decode tokens as every layer's one call reads it, prepared once a forward."""
 
-    def __init__(self, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int, buffers: DecodeBuffers):
+    def __init__(self, plan: DecodePlan, ropes: dict[bool, Rope], buffers: DecodeBuffers):
         """`buffers`: of the step's token count, where the layers' outputs go."""
-        group = plan.groups[0]
-        self.tokens = group.batch
+        self.tokens = len(plan.token_ids)
         self._residuals = buffers.outputs
         self.positions, self.token_ids = as_read(plan.positions, torch.int64), as_read(plan.token_ids, torch.int64)
-        self.slots = as_read(group.slots[:, 0], torch.int64)
+        self.slots = as_read(plan.slots, torch.int64)
         self.tables = {window: (as_read(rope.cos2, torch.float32), as_read(rope.sin2, torch.float32))
                        for window, rope in ropes.items()}
-        # By ratio: the compressed rows each token sees, and whether the indexer would select among them
-        # (more than it keeps)
+        # By ratio: the compressed rows each token sees
         self.seen: dict[int, _Seen] = {}
-        self.indexer_selects: dict[int, bool] = {}
-        for ratio, rows in group.compressed.items():
+        for ratio, rows in plan.compressed.items():
             count = rows.pages.shape[1]
-            self.indexer_selects[ratio] = count > index_topk
             self.seen[ratio] = _Seen(0, None, None, None, None)
             if count:
                 self.seen[ratio] = _Seen(count, as_read(rows.pages, torch.int64), as_read(rows.page_rows, torch.int64),
@@ -125,7 +121,7 @@ class DecodeStep:
                                                          compress.window_sources)]
             self.feeds[ratio] = _Feed(len(compress.state_slots), *compress.window_sources.shape,
                                       len(compress.update_slots), indices)
-        self.inv_freq = ropes[False].inv_freq if False in ropes else None  # (the compressed layers')
+        self._compressed_rope = ropes.get(False)  # (the compressed layers')
         self._window_ropes: dict[int, Rope] = {}
         self._new_rows: dict[int, list[int]] = {}
         self._held: list[torch.Tensor] = []  # (the tensors whose addresses `new_rows` gave)
@@ -145,36 +141,30 @@ class DecodeStep:
         (a layer reads the last one's, which it never writes)."""
         return self._residuals[layer % 2]
 
-    def window_rope(self, ratio: int, dtype: torch.dtype) -> Rope:
+    def window_rope(self, ratio: int) -> Rope:
         """RoPE at the positions of the windows of `ratio` that complete in the step, by the compressed
-        layers' frequencies, for a model of `dtype` (as the attention rotates their rows)."""
+        layers' frequencies (as the attention rotates their rows)."""
         rope = self._window_ropes.get(ratio)
         if rope is None:
-            rope = self._window_ropes[ratio] = Rope(self.compress[ratio].window_positions, self.inv_freq, dtype)
+            rope = self._window_ropes[ratio] = self._compressed_rope.at(self.compress[ratio].window_positions)
         return rope
 
-    def new_rows(self, ratio: int, dtype: torch.dtype) -> list[int]:
+    def new_rows(self, ratio: int) -> list[int]:
         """The addresses of the RoPE tables (cos2, sin2) and the places (pages, page rows) of the new rows of
         the windows of `ratio` that complete in the step, as a layer's call stores them."""
         pointers = self._new_rows.get(ratio)
         if pointers is None:
-            rope, compress = self.window_rope(ratio, dtype), self.compress[ratio]
+            rope, compress = self.window_rope(ratio), self.compress[ratio]
             held = [as_read(rope.cos2, torch.float32), as_read(rope.sin2, torch.float32),
                     as_read(compress.window_pages, torch.int64), as_read(compress.window_page_rows, torch.int64)]
             pointers = self._new_rows[ratio] = [t.data_ptr() for t in held]
             self._held.extend(held)
         return pointers
 
-    @classmethod
-    def of(cls, plan: BatchPlan, ropes: dict[bool, Rope], index_topk: int,
-           buffers: Callable[[int], DecodeBuffers]) -> DecodeStep | None:
-        """The step for a batch of decode tokens alone, at most cpu_project.KERNEL_TOKENS of them, none a
-        captured boundary, in `buffers` of its token count; None for any other."""
-        groups = plan.groups
-        if (len(groups) != 1 or groups[0].length != 1 or groups[0].batch > cpu_project.KERNEL_TOKENS
-                or not decodes_wrote_ring(plan)):
-            return None
-        return cls(plan, ropes, index_topk, buffers(groups[0].batch))
+    @staticmethod
+    def takes(plan: DecodePlan) -> bool:
+        """Whether the layers' calls take a step of `plan`: at most cpu_project.KERNEL_TOKENS tokens."""
+        return len(plan.token_ids) <= cpu_project.KERNEL_TOKENS
 
     def params(self, layer: FusedLayer) -> cpu_layer.Params:
         """`layer`'s kernels' p[] arrays for this step: its kind's, given the compressed rows it sees and how its
@@ -263,9 +253,10 @@ class FusedLayer:
                 and getattr(mix, "func", None) is cpu_mhc.mix and dtype in (torch.float32, torch.bfloat16)
                 and pools.state_dtype == torch.float32)
 
-    def serves(self, step: DecodeStep) -> bool:
-        """Whether this layer runs fused in `step`: its indexer (a CSA layer's) does not select."""
-        return not (self.selects and step.indexer_selects[self.ratio])
+    def serves(self, plan: DecodePlan) -> bool:
+        """Whether this layer runs fused in a step of `plan`: its indexer (a CSA layer's) does not select
+        (the compressed rows its tokens see are at most as many as it keeps)."""
+        return not (self.selects and plan.compressed[self.ratio].pages.shape[1] > self.cfg.index_topk)
 
     def params(self, step: DecodeStep) -> list[tuple[int, ...]]:
         """The p[] of each of the layer's kernels for `step` (cpu_layer.PARAMS' order)."""
@@ -339,7 +330,7 @@ class FusedLayer:
         compressor's norm and pool, the rows' RoPE tables and places)."""
         for (norm_at, cache_at), (norm, cache) in zip(_STORES, self.store_targets, strict=False):
             pointers[norm_at], pointers[cache_at] = norm.data_ptr(), cache.data_ptr()
-        for at, address in zip(_NEW_ROWS, step.new_rows(self.ratio, self.dtype), strict=True):
+        for at, address in zip(_NEW_ROWS, step.new_rows(self.ratio), strict=True):
             pointers[at] = address
 
     def _around_new_rows(self, pointers: ctypes.Array, step: DecodeStep, slots: list[torch.Tensor]) -> None:
@@ -350,7 +341,7 @@ class FusedLayer:
         scratch = torch.empty(cpu_layer.scratch_bytes(params), dtype=torch.uint8)
         pointers[_SCRATCH] = scratch.data_ptr()
         cpu_layer.decode_layer(pointers, params, self.floats, phases=cpu_layer.FRONT)
-        compress, rope = step.compress[self.ratio], step.window_rope(self.ratio, self.dtype)
+        compress, rope = step.compress[self.ratio], step.window_rope(self.ratio)
         for (compressor, cache, row_format), rows in zip(self.stores, slots, strict=True):
             compressor.store(rows, compress, rope, cache, row_format, self.dtype, kernels=False)
         if self.selects:  # (the index keys', as PagedAttention records them)

@@ -23,8 +23,8 @@ from .compile import Pieces, eager_pieces
 from .decode_layer import DecodeBuffers, DecodeStep, FusedLayer
 from .mhc import HyperConnection, Residual, hc_head
 from .moe import GroupedMoE
-from .ops import Rope, accumulation_dtype, as_bf16, layer_inv_freq, linear, rms_norm
-from .plan import BatchPlan
+from .ops import Rope, RopeTables, accumulation_dtype, as_bf16, layer_inv_freq, linear, rms_norm
+from .plan import BatchPlan, DecodePlan
 from .selection import SelectionSink
 from .sharding import Reducer, ShardPlan
 
@@ -74,30 +74,41 @@ class PagedModel:
             if copies:
                 log.info("%s (%.0f MB more memory): every one holds bf16 values", KERNEL_COPIES_LOGGED[kind],
                          sum(w.numel() * w.element_size() for w in copies) / 1e6)
-        # RoPE frequencies by "is a window layer": every layer of a kind rotates by the same tables.
-        self.inv_freq = {block.window: layer_inv_freq(cfg, i).to(pools.device) for i, block in enumerate(self.blocks)}
+        # RoPE by "is a window layer": every layer of a kind rotates by the same frequencies.
+        self.rope_tables = {block.window: RopeTables(layer_inv_freq(cfg, i).to(pools.device), dtype)
+                            for i, block in enumerate(self.blocks)}
+
+    def runs_fused(self, plan: DecodePlan) -> bool:
+        """Whether every layer of a step of `plan` runs as one C call: `forward` then takes the decode plan
+        alone."""
+        return DecodeStep.takes(plan) and all(fused is not None and fused.serves(plan) for fused in self.fused)
 
     @torch.inference_mode()
-    def forward(self, plan: BatchPlan, on_selection: SelectionSink | None = None) -> torch.Tensor:
+    def forward(self, plan: BatchPlan | DecodePlan, on_selection: SelectionSink | None = None) -> torch.Tensor:
         """Runs the batch (its plan on the pools' device), stores its rows in the pools; float32
         logits [sampling chunks + prompt logit rows, vocab]: the sampled rows in chunk order, then
-        `plan.prompt_tokens`. CSA layers hand their indexer selections to `on_selection`."""
+        `plan.prompt_tokens`. CSA layers hand their indexer selections to `on_selection`. A DecodePlan
+        (every chunk's token sampled) only where `runs_fused` says so."""
         cfg = self.cfg
+        decode = plan if isinstance(plan, DecodePlan) else None
+        if decode is None and on_selection is None and any(self.fused):
+            decode = DecodePlan.of(plan)
         x = self.embed[plan.token_ids]
-        ropes = {window: Rope(plan.positions, inv_freq, self.dtype) for window, inv_freq in self.inv_freq.items()}
+        ropes = {window: tables.at(plan.positions) for window, tables in self.rope_tables.items()}
         step = None
-        if on_selection is None and any(self.fused):
-            step = DecodeStep.of(plan, ropes, cfg.index_topk, self._decode_buffers)
-        if step is not None:
-            residual = self._decode_buffers(step.tokens).first(x)
+        if decode is not None and DecodeStep.takes(decode):
+            buffers = self._decode_buffers(len(decode.token_ids))
+            step = DecodeStep(decode, ropes, buffers)
+            residual = buffers.first(x)
         else:  # [T, hc, hidden], contiguous like every later layer's streams (one layout for compiled code)
             residual = Residual.start(x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous())
         for block, fused in zip(self.blocks, self.fused, strict=True):
-            if step is not None and fused is not None and fused.serves(step):
+            if step is not None and fused is not None and fused.serves(decode):
                 residual = fused(residual, step)
             else:
                 residual = block(residual, plan, ropes[block.window], on_selection, self.pieces)
-        if step is not None and not len(plan.prompt_tokens) and len(plan.sample_tokens) == step.tokens:
+        if plan is decode or (step is not None and not len(plan.prompt_tokens)
+                              and len(plan.sample_tokens) == step.tokens):
             last = residual  # (every token's row, in order)
         else:
             last = residual.rows(torch.cat([plan.sample_tokens, plan.prompt_tokens]))

@@ -180,6 +180,7 @@ class Rope:
     def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
         """`dtype`: the compute dtype; the tables are in its accumulation dtype."""
         self.acc, self.inv_freq = accumulation_dtype(dtype), inv_freq
+        self.tables: RopeTables | None = None  # where `at` reads other positions' tables (None: computed)
         angles = positions.to(self.acc).unsqueeze(-1) * inv_freq.to(positions.device, self.acc)  # [T, R/2]
         self.cos, self.sin = angles.cos(), angles.sin()
         # Interleaved [T, R] tables: even' = even*cos - odd*sin and odd' = odd*cos + even*sin are
@@ -188,10 +189,62 @@ class Rope:
         self.sin2 = torch.stack([-self.sin, self.sin], dim=-1).flatten(-2)
         self.dim = self.cos2.shape[-1]
 
+    def at(self, positions: torch.Tensor) -> Rope:
+        """RoPE of the same frequencies at other positions."""
+        if self.tables is not None:
+            return self.tables.at(positions)
+        return Rope(positions, self.inv_freq, self.acc)
+
+    def rows(self, index: torch.Tensor) -> Rope:
+        """The tables' rows `index` (int64 [n] on their device) as a Rope of those rows' positions."""
+        rope = Rope.__new__(Rope)
+        rope.acc, rope.inv_freq, rope.dim, rope.tables = self.acc, self.inv_freq, self.dim, self.tables
+        if len(index) == 1:  # (a decode step of one token: views)
+            row = int(index[0])
+            rope.cos, rope.sin, rope.cos2, rope.sin2 = (t[row : row + 1] for t in (self.cos, self.sin, self.cos2, self.sin2))
+        else:
+            rope.cos, rope.sin, rope.cos2, rope.sin2 = (t.index_select(0, index)
+                                                        for t in (self.cos, self.sin, self.cos2, self.sin2))
+        return rope
+
     def rotate_(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotates x [T, D] or [T, heads, D] in place (backwards with `inverse`) and returns it: callers
         pass tensors they own, so the other D - dim dims are not copied."""
         return rotate_(x, self.cos2, self.sin2, inverse)
+
+
+class RopeTables:
+    """RoPE of one set of frequencies at the positions of small CPU batches (decode steps), read from the
+    tables of positions 0 .. n - 1, kept (n doubles up to the largest position asked, at most
+    MAX_POSITIONS): the values `Rope` computes at those positions (elementwise math: a position's row is
+    the same computed alone or among others), in one to four indexing ops instead of ~10 computing ones
+    (a `small` c=1 decode step: its two Ropes took ~80 us)."""
+
+    MAX_POSITIONS = 1 << 16
+    MAX_TOKENS = 64  # larger batches compute theirs (their cost is in the math, not the ops)
+    FIRST_SIZE = 1024
+
+    def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype):
+        self.inv_freq, self.dtype = inv_freq, dtype
+        self._table: Rope | None = None  # at positions 0 .. n - 1
+
+    def at(self, positions: torch.Tensor) -> Rope:
+        if positions.device.type != "cpu" or not 0 < len(positions) <= self.MAX_TOKENS:
+            return self._computed(positions)
+        last = int(positions.max())
+        if last >= self.MAX_POSITIONS:
+            return self._computed(positions)
+        table = self._table
+        if table is None or last >= table.cos.shape[0]:
+            size = max(self.FIRST_SIZE, 1 << last.bit_length())
+            table = self._table = Rope(torch.arange(size, device=positions.device), self.inv_freq, self.dtype)
+            table.tables = self
+        return table.rows(positions)
+
+    def _computed(self, positions: torch.Tensor) -> Rope:
+        rope = Rope(positions, self.inv_freq, self.dtype)
+        rope.tables = self
+        return rope
 
 
 def rotate_(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -118,6 +118,75 @@ class BatchPlan:
         return _to_device(self, device)
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """What the layers of a forward of decode tokens alone (one a chunk, none capturing a boundary) read
+    where each runs as one C call (dsv4/model/decode_layer.py): the fields of its BatchPlan they read.
+    `DecodePlanner` builds it without the rest, for a forward every layer of which runs so."""
+
+    token_ids: torch.Tensor  # [T] int64, a token a chunk in chunk order
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T]
+    compressed: dict[int, CompressedRows]  # by ratio (visible [T, 1, n_max])
+    compress: dict[int, CompressPlan]  # by ratio
+
+    @classmethod
+    def of(cls, plan: BatchPlan) -> DecodePlan | None:
+        """The decode plan of `plan`, None where its batch is not decode tokens alone without captures."""
+        groups = plan.groups
+        if len(groups) != 1 or groups[0].length != 1 or plan.ring_write.tokens.shape[0] != groups[0].batch:
+            return None
+        group = groups[0]
+        return cls(plan.token_ids, plan.positions, group.slots[:, 0], group.compressed, plan.compress)
+
+
+class DecodePlanner:
+    """`DecodePlan.of(build_plan(cfg, batch, page_size))`, by the same functions, without building the rest of
+    the plan (`plan`), for a batch of decode tokens alone that each sample and none asks prompt logits or
+    captures a boundary. The parts that repeat from step to step are kept, not built again: a ratio's
+    compressed rows seen (they change where a token completes a window, or a chunk its pages) and its
+    compressors' plan where no window completes (it depends on the slots and the windows' phases alone).
+    Nothing writes a plan's tensors, so steps may share them. A c=1 decode step of `small` (its process's
+    caches cold from the weights' stream) planned in ~240 us, in ~170 without the rest of the plan."""
+
+    MAX_KEPT = 512  # parts kept (then dropped all at once: batches change)
+
+    def __init__(self, cfg: ModelConfig, page_size: int):
+        self.page_size = page_size
+        self.state_rows = {r: _state_rows(cfg, r) for r in sorted({r for r in cfg.compress_ratios if r})}
+        self._kept: dict[tuple, CompressedRows | CompressPlan] = {}
+
+    def plan(self, batch: ForwardBatch) -> DecodePlan | None:
+        """The batch's decode plan; None where it is not such a batch."""
+        if batch.captures or not all(len(c.token_ids) == 1 and c.sample and c.prompt_logits_from is None
+                                     for c in batch.chunks):
+            return None
+        ends = [c.start_pos + 1 for c in batch.chunks]
+        slots = tuple(c.slot for c in batch.chunks)
+        pages = tuple(c.page_ids for c in batch.chunks)
+        chunks = None  # (built where a part is not kept)
+        compressed, compress = {}, {}
+        if len(self._kept) > self.MAX_KEPT:
+            self._kept.clear()
+        for ratio, state_rows in self.state_rows.items():
+            rows_key = ("rows", ratio, pages, tuple(end // ratio for end in ends))
+            completes = any(end % ratio == 0 for end in ends)
+            feed_key = None if completes else ("feed", ratio, slots, tuple(end % ratio for end in ends))
+            rows, feed = self._kept.get(rows_key), self._kept.get(feed_key)
+            if rows is None or feed is None:
+                chunks = chunks or _Chunks.of(batch.chunks, self.page_size)
+            if rows is None:
+                rows = self._kept[rows_key] = _compressed_rows(chunks, chunks.start[:, None], ratio)
+            if feed is None:
+                feed = _decode_compress_plan(chunks, ratio, state_rows)
+                if feed_key is not None:
+                    self._kept[feed_key] = feed
+            compressed[ratio], compress[ratio] = rows, feed
+        return DecodePlan(token_ids=_tensor([c.token_ids[0] for c in batch.chunks]),
+                          positions=_tensor([c.start_pos for c in batch.chunks]), slots=_tensor(slots),
+                          compressed=compressed, compress=compress)
+
+
 def build_plan(cfg: ModelConfig, batch: ForwardBatch, page_size: int) -> BatchPlan:
     decodes = [c for c in batch.chunks if len(c.token_ids) == 1]
     members = ([decodes] if decodes else []) + [[c] for c in batch.chunks if len(c.token_ids) > 1]

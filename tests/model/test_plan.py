@@ -58,3 +58,47 @@ def test_decode_plan_in_closed_form_equals_the_general_one(tiny_ckpt, seed):
                     "ring_write")
         for r in ratios:  # (a window completes where a token ends one)
             assert len(built.compress[r].window_positions) == sum((c.start_pos + 1) % r == 0 for c in batch.chunks)
+
+
+def test_decode_planner_equals_the_decode_part_of_the_plan(tiny_ckpt):
+    """DecodePlanner against DecodePlan.of(build_plan(...)) over runs of decode steps, whose parts it keeps
+    and shares between steps (compressed rows seen, compressor plans where no window completes): the same
+    tensors at every step, through windows completing, pages added and batches changing. Batches that are
+    not decode tokens alone, each sampled, are not its."""
+    cfg = ModelConfig.from_json(tiny_ckpt)
+    planner = plan.DecodePlanner(cfg, PAGE)
+    rng = random.Random(7)
+    shared = {"compressed": 0, "compress": 0}  # steps whose part is an earlier step's object
+    earlier = {part: {} for part in shared}  # id -> part (held: ids stay unique)
+    for _ in range(6):
+        positions = rng.sample(range(600), rng.choice((1, 3, 8)))
+        slots = rng.sample(range(40), len(positions))
+        pages = [list(rng.sample(range(200), p // PAGE + 1)) for p in positions]
+        for _ in range(rng.randrange(10, 140)):
+            chunks = []
+            for slot, position, table in zip(slots, positions, pages, strict=True):
+                if position // PAGE + 1 > len(table):
+                    table.append(rng.randrange(200))  # (a new page as the request crosses into it)
+                chunks.append(ForwardChunk(rid=f"r{slot}", slot=slot, slot_generation=1, start_pos=position,
+                                           token_ids=(rng.randrange(100),), page_ids=tuple(table),
+                                           page_generations=(1,) * len(table), sample=True))
+            batch = ForwardBatch(tick=1, chunks=tuple(chunks))
+            got, want = planner.plan(batch), plan.DecodePlan.of(plan.build_plan(cfg, batch, PAGE))
+            for field in ("token_ids", "positions", "slots"):
+                assert torch.equal(getattr(got, field), getattr(want, field)), field
+            for r in want.compress:
+                assert_same(got.compressed[r], want.compressed[r], f"compressed[{r}]")
+                assert_same(got.compress[r], want.compress[r], f"compress[{r}]")
+                for part, objects in earlier.items():
+                    value = getattr(got, part)[r]
+                    shared[part] += id(value) in objects
+                    objects[id(value)] = value
+            positions = [p + 1 for p in positions]
+    assert all(shared.values()), shared
+
+    prefill = ForwardChunk(rid="p", slot=1, slot_generation=1, start_pos=0, token_ids=(1, 2), page_ids=(0,),
+                           page_generations=(1,), sample=True)
+    unsampled = ForwardChunk(rid="u", slot=2, slot_generation=1, start_pos=5, token_ids=(1,), page_ids=(0,),
+                             page_generations=(1,), sample=False)
+    for chunks in ((prefill,), (unsampled,), (unsampled, prefill)):
+        assert planner.plan(ForwardBatch(tick=1, chunks=chunks)) is None

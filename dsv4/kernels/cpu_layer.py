@@ -1,7 +1,8 @@
 """A decoder layer of a decode step's few tokens as one C call (cpu/layer.c), on AVX512-BF16: the attention's
 mHC mix, its projections, the compressors' feeds, the ring write, the attention and its exit, the MoE's
-mix and the MoE, through the kernels the model otherwise calls one at a time (cpu_mhc, cpu_project,
-cpu_compressor, cpu_attention, cpu_moe), in the same order on the same values. Its oracle is that
+mix and the MoE (and in a step's first layer its tokens' embedding, in its last the head), through the
+kernels the model otherwise calls one at a time (cpu_mhc, cpu_project, cpu_compressor, cpu_attention,
+cpu_moe), in the same order on the same values. Its oracle is that
 sequence: its test runs the model both ways and compares them to the bit. The tensors are checked once,
 where dsv4.model.decode_layer binds a layer's weights and prepares a step's indices; this module only
 lays out the call."""
@@ -22,7 +23,8 @@ __all__ = ["BACK", "FLOATS", "FRONT", "PARAMS", "POINTERS", "WHOLE", "Params", "
 # RoPE tables; the positions; two compressors' ape, state and plan rows; the attention's pools, rows and
 # sink; the exit's weights; the MoE's mix weights; the MoE's token ids, router and weights; the new residual;
 # two compressors' stores (their norms and pools: None where the call stores nothing) and the new rows' RoPE
-# tables and places; the intermediates kept between two phases (None: the call's own)
+# tables and places; the embedding (None: the streams are given); the head's mix weights, norm and weight,
+# and its logits (None: no head in the call); the intermediates kept between two phases (None: the call's own)
 POINTERS = ("streams", "output", "post", "comb", "attn_fn", "attn_base", "attn_scale", "attn_norm",
             "w_input", "q_norm", "wq_b", "kv_norm", "cos2", "sin2", "positions",
             *(f"{name}_{c}" for c in (0, 1) for name in ("ape", "state", "state_slots", "state_rows", "update_slots",
@@ -32,9 +34,10 @@ POINTERS = ("streams", "output", "post", "comb", "attn_fn", "attn_base", "attn_s
             "token_ids", "gate", "route", "w13", "w2", "shared_w13", "shared_w2",
             "streams_out", "output_out", "post_out", "comb_out",
             "store_norm_0", "store_cache_0", "store_norm_1", "store_cache_1", "window_cos2", "window_sin2", "window_pages",
-            "window_page_rows", "scratch")
+            "window_page_rows", "embed", "head_fn", "head_base", "head_scale", "head_norm", "head", "logits", "scratch")
 # cpu/layer.c's params[]: the layer's own p[] (`layer_params`), then each kernel's as its module builds it
-PARAMS = ("layer", "mix", "project", "feed_0", "feed_1", "attention", "exit", "route", "moe", "store_0", "store_1")
+PARAMS = ("layer", "mix", "project", "feed_0", "feed_1", "attention", "exit", "route", "moe", "store_0", "store_1",
+          "logits")
 FLOATS = ("hc_eps", "norm_eps", "project_eps", "attention_scale", "routed_scaling_factor", "swiglu_limit",
           "store_eps_0", "store_eps_1")
 # A call's phases (cpu/layer.c): FRONT through the compressors' feeds, which copy out the rows of the windows

@@ -103,9 +103,13 @@ def logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     if head.dim() != 2 or head.shape[1] != hidden:
         raise RuntimeError(f"cpu logits: head {tuple(head.shape)} does not fit x {tuple(x.shape)}")
     out = torch.empty(tokens, head.shape[0])
-    _run("decode_logits", [as_read(x), as_read(head)], (out,), (tokens, hidden, head.shape[0], x.dtype == torch.float32),
-         None)
+    _run("decode_logits", [as_read(x), as_read(head)], (out,), logits_params(tokens, hidden, head.shape[0], x.dtype), None)
     return out
+
+
+def logits_params(tokens: int, hidden: int, vocab: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """decode_logits' p[] (cpu/project.c's H_*)."""
+    return tokens, hidden, vocab, dtype == torch.float32
 
 
 def norm_rope(rows: torch.Tensor, weight: torch.Tensor | None, cos2: torch.Tensor, sin2: torch.Tensor, *,

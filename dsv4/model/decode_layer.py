@@ -44,6 +44,8 @@ _FEED = [[_AT[f"{name}_{c}"] for name in ("state_slots", "state_rows", "update_s
 _WINDOWS = [_AT["windows_0"], _AT["windows_1"]]
 _STORES = [[_AT[f"store_norm_{c}"], _AT[f"store_cache_{c}"]] for c in (0, 1)]
 _NEW_ROWS = [_AT[name] for name in ("window_cos2", "window_sin2", "window_pages", "window_page_rows")]
+_EMBED = _AT["embed"]
+_HEAD = [_AT[name] for name in ("head_fn", "head_base", "head_scale", "head_norm", "head", "logits")]
 _SCRATCH = _AT["scratch"]
 
 
@@ -125,6 +127,10 @@ class DecodeStep:
         self._window_ropes: dict[int, Rope] = {}
         self._new_rows: dict[int, list[int]] = {}
         self._held: list[torch.Tensor] = []  # (the tensors whose addresses `new_rows` gave)
+        # Where the first layer's call embeds the tokens: the embedding's address (None: its input is given);
+        # where the last one's runs the head: its tensors' addresses (None: no head in the call)
+        self.embed: int | None = None
+        self.head: list[int] | None = None
         self._params = buffers.params
         # The addresses every layer's call reads: by kind of layer (a window layer's RoPE tables or a
         # compressed one's) the tables, positions, slots, positions again (the ring's) and token ids; by
@@ -160,6 +166,18 @@ class DecodeStep:
             pointers = self._new_rows[ratio] = [t.data_ptr() for t in held]
             self._held.extend(held)
         return pointers
+
+    def embed_and_head(self, embed: torch.Tensor, head: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Has the first layer's call embed the step's tokens (their rows of `embed`, into the start buffers'
+        streams) and the last one's run the head (PagedModel.head_kernel's tensors: the bf16 head, the
+        padded mix weights, the norm), as PagedModel.forward does around the layers; returns the logits
+        [T, vocab] the last call writes."""
+        weight, fn, base, scale, norm = head
+        logits = torch.empty(self.tokens, weight.shape[0])
+        self._held.append(embed := as_read(embed))
+        self.embed = embed.data_ptr()
+        self.head = [t.data_ptr() for t in (fn, base, scale, norm, weight, logits)]
+        return logits
 
     @staticmethod
     def takes(plan: DecodePlan) -> bool:
@@ -283,7 +301,8 @@ class FusedLayer:
                 cpu_moe.route_params(T, hidden, moe["experts"], dtype=dtype, hashed=moe["hashed"], **self.routing),
                 cpu_moe.moe_params(T, T * self.routing["top_k"], self.routing["local_experts"], hidden, moe["inter"],
                                    moe["shared"], dtype),
-                *stores]
+                *stores,
+                cpu_project.logits_params(T, hidden, cfg.vocab_size, dtype)]
 
     def __call__(self, residual: Residual, step: DecodeStep) -> Residual:
         """The layer's output residual (its MoE's output unwritten, as `_Block` returns it)."""
@@ -295,6 +314,11 @@ class FusedLayer:
         for at, address in zip(_STEP, step.pointers[self.window], strict=True):
             pointers[at] = address
         pointers[_SCRATCH] = None
+        if self.layer == 0:
+            pointers[_EMBED] = step.embed
+        if self.layer == self.cfg.num_layers - 1:
+            for at, address in zip(_HEAD, step.head or [None] * len(_HEAD), strict=True):
+                pointers[at] = address
         for norm, cache in _STORES:  # (no store unless windows complete)
             pointers[norm] = pointers[cache] = None
         if self.ratio is not None:

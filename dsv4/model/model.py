@@ -93,12 +93,19 @@ class PagedModel:
         decode = plan if isinstance(plan, DecodePlan) else None
         if decode is None and on_selection is None and any(self.fused):
             decode = DecodePlan.of(plan)
-        x = self.embed[plan.token_ids]
         ropes = {window: tables.at(plan.positions) for window, tables in self.rope_tables.items()}
         step = None
         if decode is not None and DecodeStep.takes(decode):
             buffers = self._decode_buffers(len(decode.token_ids))
             step = DecodeStep(decode, ropes, buffers)
+            if plan is decode and self.head_kernel is not None:  # (every layer fused: the calls embed, and head)
+                logits = step.embed_and_head(self.embed, self.head_kernel)
+                residual = buffers.start
+                for fused in self.fused:
+                    residual = fused(residual, step)
+                return logits
+        x = self.embed[plan.token_ids]
+        if step is not None:
             residual = buffers.first(x)
         else:  # [T, hc, hidden], contiguous like every later layer's streams (one layout for compiled code)
             residual = Residual.start(x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous())

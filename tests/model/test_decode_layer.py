@@ -5,7 +5,8 @@ Two copies of each request run side by side, one fused and one not, from the sam
 steps cross every case the fused path meets: windows of both ratios completing (a layer's call then stores
 their rows; with index keys fingerprinted, it runs in two phases around the compressors' storing), the
 indexer starting to select (tiny's index_topk is 16 rows, 64 tokens at ratio 4: `_Block` then runs the CSA
-layers), the ring wrapping."""
+layers; until then the first layer's call embeds the tokens and the last one's runs the head), the ring
+wrapping."""
 
 from __future__ import annotations
 
@@ -49,12 +50,15 @@ def test_fused_decode_layers_equal_the_kernels_one_by_one(tiny_ckpt, dtype, fing
     model, cfg = runner.model, runner.cfg
     fused = model.fused
     assert all(layer is not None for layer in fused)
-    calls, stores = [], []
+    calls, stores, ends = [], [], []
     run, store_at = cpu_layer.decode_layer, cpu_layer.POINTERS.index("store_norm_0")
+    embed_at, logits_at = cpu_layer.POINTERS.index("embed"), cpu_layer.POINTERS.index("logits")
 
     def decode_layer(pointers, *args, phases=cpu_layer.WHOLE):
         calls.append(phases)
         stores.append(pointers[store_at] is not None)
+        ends.append((pointers[embed_at] is not None and phases & cpu_layer.FRONT,
+                     pointers[logits_at] is not None and phases & cpu_layer.BACK))
         return run(pointers, *args, phases=phases)
 
     monkeypatch.setattr(cpu_layer, "decode_layer", decode_layer)
@@ -86,6 +90,9 @@ def test_fused_decode_layers_equal_the_kernels_one_by_one(tiny_ckpt, dtype, fing
     assert two_phase == calls.count(cpu_layer.BACK) and (two_phase > 0) == fingerprints
     assert (sum(stores) > 0) != fingerprints
     assert 0 < calls.count(cpu_layer.WHOLE) + two_phase < STEPS * cfg.num_layers
+    # Steps whose every layer ran fused embedded their tokens in the first call and ran the head in the last
+    embeds, heads = sum(bool(e) for e, _ in ends), sum(bool(h) for _, h in ends)
+    assert 0 < embeds == heads < STEPS
 
     pools = runner.pools
     for layer, kind in enumerate(cfg.compress_ratios):

@@ -10,6 +10,10 @@
  *   decode_exit            -> the attention sublayer's output y
  *   mhc_mix (the MoE's)    -> the new streams, post and comb, and the MoE's input
  *   moe_routed             -> the MoE's output, rounded into the model's dtype
+ * A step's first layer may also embed its tokens (their embedding rows copied into each of its input's
+ * streams: ptr[EMBED] set), and its last one run the head on its output (ptr[LOGITS] set):
+ *   mhc_mix (hc_head's weights, padded) -> the collapsed, normed row
+ *   decode_logits          -> fp32 logits
  * In a step in which windows of the layer's compressors complete, the attention reads their new rows:
  *   compressor_store       -> each fed compressor's new rows (its windows' slots, as its feed copied them
  *                             out), pooled, normed, rotated and packed where they lie in its pool
@@ -46,6 +50,7 @@ int compressor_store(const float *windows, const float *norm, const float *cos2,
 int moe_routed(const void *x, const float *gate, const void *route, const int64_t *token_ids, const uint16_t *w13,
                const uint16_t *w2, const uint16_t *shared_w13, const uint16_t *shared_w2, float *out,
                const int64_t *rp, const int64_t *mp, float scaling, float limit, int tiles, int threads);
+int decode_logits(const void *x, const uint16_t *head, float *logits, const int64_t *p, int threads);
 
 /* ptr[]: the tensors, in cpu_layer.py's POINTERS order */
 enum {
@@ -63,12 +68,14 @@ enum {
   STREAMS_OUT, OUTPUT_OUT, POST_OUT, COMB_OUT,                     /* the new residual */
   /* the compressor's and the indexer's stores (NULL: none in this call), and where the new rows go */
   STORE_NORM_0, STORE_CACHE_0, STORE_NORM_1, STORE_CACHE_1, WINDOW_COS2, WINDOW_SIN2, WINDOW_PAGES, WINDOW_PAGE_ROWS,
+  EMBED,                                                           /* the embedding (NULL: the streams are given) */
+  HEAD_FN, HEAD_BASE, HEAD_SCALE, HEAD_NORM, HEAD, LOGITS,         /* the head (LOGITS NULL: none in this call) */
   SCRATCH,                                                         /* the intermediates (NULL: allocated here) */
   POINTER_COUNT
 };
 /* params[]: each kernel's p[] as its wrapper builds it, and the layer's own (L_*) */
 enum { P_LAYER, P_MIX, P_PROJECT, P_FEED_0, P_FEED_1, P_ATTENTION, P_EXIT, P_ROUTE, P_MOE, P_STORE_0, P_STORE_1,
-       PARAM_COUNT };
+       P_LOGITS, PARAM_COUNT };
 /* the layer's p[]: tokens, streams, hidden size, w_input's rows, q_lora_rank, head_dim, heads, fp32 (else
  * bf16), the window W, the ring's slot and row strides (bytes), compressors fed (0..2), where each one's
  * kv | gate columns start in the projected row, whether the MoE runs on AMX tiles */
@@ -111,6 +118,13 @@ int decode_layer(void *const *ptr, const int64_t *const *params, const float *f,
   for (int i = 0; i < PARTS; i++) at[i] = scratch + starts[i];
 
   int status = 0;
+  if (phases & FRONT && ptr[EMBED]) { /* each token's embedding row into every stream */
+    const int64_t n = p[L_STREAMS], *ids = ptr[TOKEN_IDS];
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t i = 0; i < n; i++)
+        memcpy((char *)ptr[STREAMS] + (t * n + i) * hidden * size, (const char *)ptr[EMBED] + ids[t] * hidden * size,
+               (size_t)(hidden * size));
+  }
   if (phases & FRONT)
     status = mhc_mix(ptr[STREAMS], ptr[OUTPUT], ptr[POST], ptr[COMB], ptr[ATTN_FN], ptr[ATTN_BASE], ptr[ATTN_SCALE],
                      ptr[ATTN_NORM], at[MID_STREAMS], at[X], (float *)at[MID_POST], (float *)at[MID_COMB], params[P_MIX],
@@ -159,6 +173,12 @@ int decode_layer(void *const *ptr, const int64_t *const *params, const float *f,
       else ((uint16_t *)ptr[OUTPUT_OUT])[i] = to_bf16(moe[i]);
     }
   }
+  if (!status && ptr[LOGITS]) /* the head, its mix's outputs where the layer's first mix put its own */
+    status = mhc_mix(ptr[STREAMS_OUT], ptr[OUTPUT_OUT], ptr[POST_OUT], ptr[COMB_OUT], ptr[HEAD_FN], ptr[HEAD_BASE],
+                     ptr[HEAD_SCALE], ptr[HEAD_NORM], at[MID_STREAMS], at[X], (float *)at[MID_POST], (float *)at[MID_COMB],
+                     params[P_MIX], f[F_HC_EPS], f[F_NORM_EPS], threads);
+  if (!status && ptr[LOGITS])
+    status = decode_logits(at[X], ptr[HEAD], ptr[LOGITS], params[P_LOGITS], threads);
   if (!ptr[SCRATCH]) free(scratch);
   return status;
 }

@@ -15,15 +15,14 @@ non-zero, and its peers' next collective names it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import uvloop
 
 from dsv4.config import ServerArgs
 from dsv4.dist.collectives import TpGroup
+from dsv4.engine.forward_thread import ForwardThread
 from dsv4.engine.install import receive_installs
 from dsv4.engine.runner import ModelRunner
 from dsv4.engine.tick import consensus, rank_faults
@@ -54,10 +53,12 @@ class Follower:
         consensus(group, plan.seq, landed)
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-forward") as executor:
+        thread = ForwardThread("dsv4-forward")
+        try:
             while True:
-                await loop.run_in_executor(executor, self.tick)
+                await thread.run(self.tick)
+        finally:
+            thread.close(wait=True)
 
 
 def run_follower(args: ServerArgs, group: TpGroup) -> int:

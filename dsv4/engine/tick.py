@@ -37,7 +37,6 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
@@ -46,6 +45,7 @@ import torch
 
 from dsv4.config import FaultInjection, RankDelay
 from dsv4.dist.collectives import TpGroup
+from dsv4.engine.forward_thread import ForwardThread
 from dsv4.engine.grammar import Constraints, GrammarError
 from dsv4.engine.indexer_check import IndexerVerifier
 from dsv4.engine.install import MAX_INSTALLS_PER_TICK, InstallFailed, PendingInstall, receive_installs
@@ -210,7 +210,7 @@ class Ticker:
         self._delays = rank_faults(self._faults, 0)
         self.rank_ticks: list[int] = []  # TP: the last consensus vector (each rank's completed tick)
         # One thread: forwards run strictly in plan order, as every rank must apply them.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-forward")
+        self._forward_thread = ForwardThread("dsv4-forward")
 
     async def step(self) -> TickPlan:
         started = self._clock()
@@ -319,7 +319,7 @@ class Ticker:
 
     def close(self, wait: bool = False) -> None:
         """Stops the forward thread after the forward in flight, if any (`wait`: until then)."""
-        self._executor.shutdown(wait=wait, cancel_futures=True)
+        self._forward_thread.close(wait=wait)
         if self._constraints is not None:
             self._constraints.close()
 
@@ -337,8 +337,7 @@ class Ticker:
         jobs = prompt_jobs(plan.batch.chunks, {rid: r.prompt_ids for rid, r in asking.items()},
                            {rid: r.sampling.prompt_logprobs for rid, r in asking.items()})
         data = [p.data for p in installs] if installs else None
-        work = asyncio.get_running_loop().run_in_executor(self._executor, self._run, plan, params, positions,
-                                                          histories, jobs, data, constrained, masks)
+        work = self._forward_thread.run(self._run, plan, params, positions, histories, jobs, data, constrained, masks)
         try:
             async with asyncio.timeout(self._forward_deadline):
                 return await work

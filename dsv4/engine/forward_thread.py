@@ -10,18 +10,25 @@ cold from the forward's weights; through this 46 us there and 57 back.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
+
+_open: weakref.WeakSet[ForwardThread] = weakref.WeakSet()
 
 
 class ForwardThread:
     def __init__(self, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        # (a daemon, so that an open one does not keep the process alive; closed at exit: a forward still
+        # running while the interpreter tears down would meet torch's teardown, which aborts)
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+        _open.add(self)
 
     def run(self, fn: Callable[..., Any], *args) -> asyncio.Future:
         """`fn(*args)` on the thread, after every job handed over before it; its result (or exception) in
@@ -57,6 +64,12 @@ class ForwardThread:
                 _answer(loop, _settle, future, None, e)
             else:
                 _answer(loop, _settle, future, result, None)
+
+
+@atexit.register
+def _close_open() -> None:
+    for thread in list(_open):
+        thread.close(wait=True)
 
 
 def _answer(loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], *args) -> None:

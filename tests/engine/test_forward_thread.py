@@ -5,6 +5,8 @@ in flight and cancels the jobs not started."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 
@@ -67,3 +69,21 @@ async def test_close_cancels_the_jobs_not_started_and_the_thread_ends():
     start = time.monotonic()
     await asyncio.to_thread(thread.close, wait=True)  # (closing again waits for the thread's end)
     assert time.monotonic() - start < 5 and not thread._thread.is_alive()
+
+
+def test_the_interpreter_exits_after_the_job_in_flight():
+    """An open thread does not keep the process alive, and a job still running at exit finishes before the
+    interpreter tears down (a forward inside torch then would abort the process)."""
+    script = (
+        "import asyncio, time\n"
+        "from dsv4.engine.forward_thread import ForwardThread\n"
+        "async def main():\n"
+        "    thread = ForwardThread('t')\n"
+        "    thread.run(lambda: (time.sleep(0.5), print('finished', flush=True)))\n"
+        "    await asyncio.sleep(0.1)\n"
+        "asyncio.run(main())\n"
+        "print('exiting', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["exiting", "finished"]

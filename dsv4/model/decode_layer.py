@@ -17,6 +17,7 @@ layer runs as `_Block`. Both give the same bits."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -29,7 +30,7 @@ from dsv4.memory.pools import StatePools
 from .attention import softmax_scale
 from .mhc import Residual
 from .ops import Rope
-from .plan import DecodePlan
+from .plan import CompressedRows, CompressPlan, DecodePlan
 
 _AT = {name: i for i, name in enumerate(cpu_layer.POINTERS)}
 # Where FusedLayer.__call__ puts each of its call's pointers that are not bound: the residual in and out, the
@@ -52,11 +53,18 @@ _SCRATCH = _AT["scratch"]
 class _Seen(NamedTuple):
     """The compressed rows (one ratio) each token of a step sees, as decode_attention reads them."""
 
-    count: int  # rows a token (0: none yet; the tensors are then None)
-    pages: torch.Tensor | None
-    page_rows: torch.Tensor | None
-    exists: torch.Tensor | None
-    allowed: torch.Tensor | None
+    count: int  # rows a token (0: none yet; the tensors and pointers are then None)
+    tensors: list[torch.Tensor] | None  # pages, page rows, exists, allowed
+    pointers: list[int] | None  # their addresses
+
+    @classmethod
+    def of(cls, rows: CompressedRows) -> _Seen:
+        count = rows.pages.shape[1]
+        if not count:
+            return cls(0, None, None)
+        tensors = [as_read(rows.pages, torch.int64), as_read(rows.page_rows, torch.int64),
+                   as_read(rows.exists, torch.bool), as_read(rows.visible[:, 0], torch.bool)]
+        return cls(count, tensors, [t.data_ptr() for t in tensors])
 
 
 class _Feed(NamedTuple):
@@ -68,6 +76,15 @@ class _Feed(NamedTuple):
     updates: int  # state rows written
     # the plan's state_slots, state_rows, update_slots, update_rows, update_sources, window_sources
     indices: list[torch.Tensor]
+    pointers: list[int]  # their addresses
+
+    @classmethod
+    def of(cls, compress: CompressPlan) -> _Feed:
+        indices = [as_read(t, torch.int64) for t in (compress.state_slots, compress.state_rows, compress.update_slots,
+                                                     compress.update_rows, compress.update_sources,
+                                                     compress.window_sources)]
+        return cls(len(compress.state_slots), *compress.window_sources.shape, len(compress.update_slots), indices,
+                   [t.data_ptr() for t in indices])
 
 
 class DecodeBuffers:
@@ -78,6 +95,7 @@ class DecodeBuffers:
     anew in every step, a kind's took ~25 us of it in situ)."""
 
     MAX_PARAMS = 64  # p[] sets kept (they change with the compressed rows seen: a long context's are dropped)
+    MAX_READ = 64  # plan parts whose kernel-read forms are kept (`read`)
 
     def __init__(self, tokens: int, streams: int, hidden: int, dtype: torch.dtype):
         def residual() -> Residual:
@@ -89,6 +107,19 @@ class DecodeBuffers:
             raise RuntimeError(f"decode buffers: a {dtype} model's mixing weights are not fp32")
         self.start, self.outputs = start, [residual(), residual()]
         self.params: dict[tuple, cpu_layer.Params] = {}
+        self._read: dict[int, tuple] = {}  # id(part) -> (the part, held: its id stays its own; its form)
+
+    def read(self, part: CompressedRows | CompressPlan, form: Callable) -> _Seen | _Feed:
+        """`form(part)` of a part of a decode plan, as the layers' calls read it: the same object in every step
+        that shares the part (DecodePlanner keeps parts between steps), whose addresses a layer's call keeps."""
+        kept = self._read.get(id(part))
+        if kept is not None and kept[0] is part:
+            return kept[1]
+        if len(self._read) >= self.MAX_READ:
+            self._read.clear()
+        value = form(part)
+        self._read[id(part)] = (part, value)
+        return value
 
     def first(self, x: torch.Tensor) -> Residual:
         """The first layer's input for the embedded tokens x [T, hidden] (the buffers' start, x in its streams)."""
@@ -107,22 +138,10 @@ class DecodeStep:
         self.slots = as_read(plan.slots, torch.int64)
         self.tables = {window: (as_read(rope.cos2, torch.float32), as_read(rope.sin2, torch.float32))
                        for window, rope in ropes.items()}
-        # By ratio: the compressed rows each token sees
-        self.seen: dict[int, _Seen] = {}
-        for ratio, rows in plan.compressed.items():
-            count = rows.pages.shape[1]
-            self.seen[ratio] = _Seen(0, None, None, None, None)
-            if count:
-                self.seen[ratio] = _Seen(count, as_read(rows.pages, torch.int64), as_read(rows.page_rows, torch.int64),
-                                         as_read(rows.exists, torch.bool), as_read(rows.visible[:, 0], torch.bool))
-        # By ratio: how the compressors advance
-        self.compress, self.feeds = plan.compress, {}
-        for ratio, compress in plan.compress.items():
-            indices = [as_read(t, torch.int64) for t in (compress.state_slots, compress.state_rows, compress.update_slots,
-                                                         compress.update_rows, compress.update_sources,
-                                                         compress.window_sources)]
-            self.feeds[ratio] = _Feed(len(compress.state_slots), *compress.window_sources.shape,
-                                      len(compress.update_slots), indices)
+        # By ratio: the compressed rows each token sees, and how the compressors advance
+        self.seen = {ratio: buffers.read(rows, _Seen.of) for ratio, rows in plan.compressed.items()}
+        self.compress = plan.compress
+        self.feeds = {ratio: buffers.read(compress, _Feed.of) for ratio, compress in plan.compress.items()}
         self._compressed_rope = ropes.get(False)  # (the compressed layers')
         self._window_ropes: dict[int, Rope] = {}
         self._new_rows: dict[int, list[int]] = {}
@@ -132,15 +151,11 @@ class DecodeStep:
         self.embed: int | None = None
         self.head: list[int] | None = None
         self._params = buffers.params
-        # The addresses every layer's call reads: by kind of layer (a window layer's RoPE tables or a
-        # compressed one's) the tables, positions, slots, positions again (the ring's) and token ids; by
-        # ratio, the compressed rows' (None: none yet) and the feeds' plan rows
+        # The addresses every layer's call reads, by kind of layer (a window layer's RoPE tables or a
+        # compressed one's): the tables, positions, slots, positions again (the ring's) and token ids
         self.pointers = {window: [t.data_ptr() for t in (*tables, self.positions, self.slots, self.positions,
                                                           self.token_ids)]
                          for window, tables in self.tables.items()}
-        self.ratio_pointers = {ratio: (None if seen.count == 0 else [t.data_ptr() for t in seen[1:]],
-                                       [t.data_ptr() for t in self.feeds[ratio].indices])
-                               for ratio, seen in self.seen.items()}
 
     def residual(self, layer: int) -> Residual:
         """Where layer `layer`'s call writes its residual: one of two sets of buffers, by the layer's parity
@@ -248,6 +263,9 @@ class FusedLayer:
         # the call's pointers, the bound ones in place (each call sets the rest)
         self.comp_pool = pointers["comp_pool"]
         self.pointers = cpu_layer.pointers([pointers.get(name) for name in cpu_layer.POINTERS])
+        # What `pointers` holds from the last call (None: not set): its residual in and out, the compressed
+        # rows seen and the feeds' plan rows
+        self._bound: list = [None] * 4
         self.mix_constants = mix_constants
         store_eps = [compressor.norm_eps for compressor, _, _ in self.stores] + [0.0] * (2 - len(self.stores))
         self.floats = (ctypes.c_float * len(cpu_layer.FLOATS))(
@@ -307,10 +325,15 @@ class FusedLayer:
     def __call__(self, residual: Residual, step: DecodeStep) -> Residual:
         """The layer's output residual (its MoE's output unwritten, as `_Block` returns it)."""
         out = step.residual(self.layer)
-        inputs = [as_read(t) for t in residual]  # (held through the call)
         pointers = self.pointers
-        for at, tensor in zip(_RESIDUAL, (*inputs, *out), strict=True):
-            pointers[at] = tensor.data_ptr()
+        # (what the array still holds from the last call is not set again: the same buffers and plan parts,
+        # held here, in most steps)
+        if self._bound[0] is not residual or self._bound[1] is not out:
+            inputs = [as_read(t) for t in residual]  # (held through the call)
+            for at, tensor in zip(_RESIDUAL, (*inputs, *out), strict=True):
+                pointers[at] = tensor.data_ptr()
+            own = all(a is b for a, b in zip(inputs, residual, strict=True))  # (not copies made for this call)
+            self._bound[:2] = (residual, out) if own else (None, None)
         for at, address in zip(_STEP, step.pointers[self.window], strict=True):
             pointers[at] = address
         pointers[_SCRATCH] = None
@@ -322,15 +345,18 @@ class FusedLayer:
         for norm, cache in _STORES:  # (no store unless windows complete)
             pointers[norm] = pointers[cache] = None
         if self.ratio is not None:
-            rows, feed = step.ratio_pointers[self.ratio]
-            pointers[_COMP_POOL] = None if rows is None else self.comp_pool  # (None: no compressed row yet)
-            if rows is not None:
-                for at, address in zip(_ROWS, rows, strict=True):
+            seen, feed = step.seen[self.ratio], step.feeds[self.ratio]
+            if self._bound[2] is not seen:
+                pointers[_COMP_POOL] = None if seen.pointers is None else self.comp_pool  # (None: no row yet)
+                for at, address in zip(_ROWS, seen.pointers or [None] * len(_ROWS), strict=True):
                     pointers[at] = address
-            for c in range(len(self.feeds)):
-                for at, address in zip(_FEED[c], feed, strict=True):
-                    pointers[at] = address
-            windows = step.feeds[self.ratio].windows
+                self._bound[2] = seen
+            if self._bound[3] is not feed:
+                for c in range(len(self.feeds)):
+                    for at, address in zip(_FEED[c], feed.pointers, strict=True):
+                        pointers[at] = address
+                self._bound[3] = feed
+            windows = feed.windows
             if windows:
                 slots = self._window_slots(pointers, step, windows)  # (held through the calls)
                 if not self.stores_in_call:

@@ -10,7 +10,8 @@ says, in those terms and in pool coordinates (page, row) / (slot, row):
 Index building is vectorised over chunks and tokens: its cost does not grow with the batch in Python.
 It runs in NumPy and hands torch tensors over at the end: a plan is ~100 small index ops, which
 cost ~1 us each in NumPy against ~5..10 us in torch (the plan of a decode step of `small`, one
-thread: 2.8 -> 0.75..1.4 ms at c=1, 3.7 -> 1.3 ms at c=32).
+thread: 2.8 -> 0.75..1.4 ms at c=1, 3.7 -> 1.3 ms at c=32). A forward of decode tokens whose every
+layer runs as one C call reads only a few of these: its `DecodePlan` (`DecodePlanner`).
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ class DecodePlanner:
     compressed rows seen (they change where a token completes a window, or a chunk its pages) and its
     compressors' plan where no window completes (it depends on the slots and the windows' phases alone).
     Nothing writes a plan's tensors, so steps may share them. A c=1 decode step of `small` (its process's
-    caches cold from the weights' stream) planned in ~240 us, in ~170 without the rest of the plan."""
+    caches cold from the weights' stream) planned in ~240 us as a whole BatchPlan, in ~170 as a DecodePlan
+    built anew, in ~35 (median) with the kept parts."""
 
     MAX_KEPT = 512  # parts kept (then dropped all at once: batches change)
 

@@ -91,8 +91,9 @@ class DecodeBuffers:
     """What decode steps of one token count keep from step to step: the residuals, the first layer's input
     (its streams the embedded tokens', its output and post zero and its comb the identity, as
     Residual.start makes them) and every layer's output, in two sets by layer parity (a layer reads the
-    last one's, which it never writes); and the layers' kernels' p[] arrays, by what they depend on (built
-    anew in every step, a kind's took ~25 us of it in situ)."""
+    last one's, which it never writes); the layers' kernels' p[] arrays, by what they depend on (built
+    anew in every step, a kind's took ~25 us of it in situ); and the kernel-read forms of the plan parts
+    steps share (`read`)."""
 
     MAX_PARAMS = 64  # p[] sets kept (they change with the compressed rows seen: a long context's are dropped)
     MAX_READ = 64  # plan parts whose kernel-read forms are kept (`read`)

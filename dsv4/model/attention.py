@@ -37,7 +37,7 @@ from dsv4.memory.pools import StatePools, put_rows, take_rows
 
 from .compressor import PagedCompressor
 from .ops import Rope, accumulation_dtype, as_bf16, linear, rms_norm, rotate_
-from .plan import AttentionGroup, BatchPlan, CompressedRows
+from .plan import AttentionGroup, BatchPlan, CompressedRows, decodes_wrote_ring
 from .selection import IndexerSelection, SelectionSink
 from .sharding import Reducer, ShardPlan
 
@@ -383,13 +383,6 @@ class PagedAttention:
         if fmt in _PLAIN_ROW_DTYPES:  # rows stored as-is: a view, not unpack's copy
             return packed.view(_PLAIN_ROW_DTYPES[fmt])
         return row_formats.unpack_main_rows(packed, fmt, cfg.head_dim, cfg.rope_head_dim)
-
-
-def decodes_wrote_ring(plan: BatchPlan) -> bool:
-    """Whether the batch's ring writes are its decode tokens' alone (one group of decodes, no captured
-    boundary's ring), which `PagedAttention._attend_decodes` stored before attending."""
-    groups = plan.groups
-    return len(groups) == 1 and groups[0].length == 1 and plan.ring_write.tokens.shape[0] == groups[0].batch
 
 
 def project_inputs(x: torch.Tensor, w_input: torch.Tensor, q_norm: torch.Tensor, wq_b: torch.Tensor,

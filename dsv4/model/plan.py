@@ -134,11 +134,17 @@ class DecodePlan:
     @classmethod
     def of(cls, plan: BatchPlan) -> DecodePlan | None:
         """The decode plan of `plan`, None where its batch is not decode tokens alone without captures."""
-        groups = plan.groups
-        if len(groups) != 1 or groups[0].length != 1 or plan.ring_write.tokens.shape[0] != groups[0].batch:
+        if not decodes_wrote_ring(plan):
             return None
-        group = groups[0]
+        group = plan.groups[0]
         return cls(plan.token_ids, plan.positions, group.slots[:, 0], group.compressed, plan.compress)
+
+
+def decodes_wrote_ring(plan: BatchPlan) -> bool:
+    """Whether the batch's ring writes are its decode tokens' alone (one group of decodes, no captured
+    boundary's ring), which `PagedAttention._attend_decodes` stored before attending."""
+    groups = plan.groups
+    return len(groups) == 1 and groups[0].length == 1 and plan.ring_write.tokens.shape[0] == groups[0].batch
 
 
 class DecodePlanner:

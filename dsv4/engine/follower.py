@@ -64,10 +64,11 @@ class Follower:
 def run_follower(args: ServerArgs, group: TpGroup) -> int:
     """Loads this rank's shard and follows rank 0 until the group ends; the process exit code (never 0:
     a follower's group only ends by failure or by being stopped)."""
-    from dsv4.engine.launch import load_model
+    from dsv4.engine.launch import load_model, settle_heap
 
     try:
         runner = load_model(args, group).runner
+        settle_heap()
         uvloop.run(Follower(group, runner, args).run())
     except Exception as e:  # noqa: BLE001 -- the rank's end, whatever ended it, is logged and fatal
         log.critical("rank %d exiting at tick %d: %s: %s", group.rank, group.tick, type(e).__name__, e)

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +83,21 @@ def _load_model(args: ServerArgs, group: TpGroup | None) -> LoadedModel:
                  sum(t.nbytes for t in weights.values()), shard.experts.start, shard.experts.stop - 1,
                  config.n_routed_experts)
     return LoadedModel(name, config, tokenizer, runner)
+
+
+def settle_heap() -> None:
+    """Once a serving process has started (model loaded, pieces compiled): collects the garbage of startup,
+    then freezes what remains out of the cyclic garbage collector, which would otherwise walk all of it in
+    every full collection. `small`'s server holds ~350,000 objects after startup, and a full collection over
+    them took ~165 ms on 2 cores; serving adds long-lived objects (~19,000 in 90 s at concurrency 32), and a
+    full collection runs once they reach a quarter of the old ones: every few minutes, each a 165 ms stall of
+    every stream. Frozen objects are still freed when their last reference goes; only cycles among them are
+    never collected."""
+    started = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    log.info("gc: %d objects of startup frozen out of the cyclic collector (a full collection over them took "
+             "%.0f ms)", gc.get_freeze_count(), (time.perf_counter() - started) * 1000)
 
 
 def checkpoint_path(args: ServerArgs) -> Path:

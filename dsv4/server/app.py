@@ -13,6 +13,7 @@ import uvloop
 from aiohttp import web
 
 from dsv4.config import ServerArgs
+from dsv4.engine.launch import settle_heap
 from dsv4.server import chat_completions, completions, native, ops, tokenize
 from dsv4.server.http_metrics import HttpMetrics
 from dsv4.server.lifecycle import FLUSH_SECONDS, Lifecycle, drain, until_signalled_or_dead
@@ -59,6 +60,7 @@ async def serve(engine, args: ServerArgs) -> int:
                            keepalive_timeout=args.timeout_keep_alive)
     try:
         await runner.setup()
+        settle_heap()  # (before the port opens: no request waits out its collection)
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
         log.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)

@@ -51,8 +51,10 @@ class CopyLatency:
 
 class HostTier:
     def __init__(self, pools: StatePools, num_units: int, *, snapshot_unit: Callable[[Handle], int],
-                 write_policy: str = "write_through", verify: bool = False, delays: Sequence[CopyDelay] = ()):
-        """`snapshot_unit`: the pools' unit of a snapshot (`PageSlotAllocator.snapshot_unit`)."""
+                 write_policy: str = "write_through", verify: bool = False, delays: Sequence[CopyDelay] = (),
+                 on_copy: Callable[[], None] | None = None):
+        """`snapshot_unit`: the pools' unit of a snapshot (`PageSlotAllocator.snapshot_unit`); `on_copy`: called
+        on the copy thread as each copy's fence is set."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}; expected one of {WRITE_POLICIES}")
         self.write_policy = write_policy
@@ -61,7 +63,7 @@ class HostTier:
         self._snapshot_unit = snapshot_unit
         self.pool = HostPool(pools, num_units, pin=pools.device.type == "cuda")
         self.units = GenerationalAllocator("host unit", num_units)
-        self._copies = CopyEngine(pools.device, delays)
+        self._copies = CopyEngine(pools.device, delays, on_complete=on_copy)
         # For metrics, by copy kind (radix.LOAD, radix.WRITE).
         self.copy_bytes: dict[str, int] = {}
         self.copy_seconds: dict[str, CopyLatency] = {}

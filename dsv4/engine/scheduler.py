@@ -51,10 +51,10 @@ Host tier (HiCache). A hit may include pages cached on the host only (matched un
 limits, prompt logprobs included): admission takes device pages and snapshot units for them (they
 count as needed pages) and records their loads, and the tick starts the copies once the plan that
 hands those units out has been applied. The request waits in `loading`, holding its slot, pages and
-references, while later requests are admitted past it. Each schedule polls the copies; a loading
-request whose path is all on the device starts then (restore, first chunk), and one whose load
-failed (checksum) fails alone (`take_failed`). No chunk ever reads a page whose load has not
-completed.
+references, while later requests are admitted past it. Each schedule polls the copies (after a tick
+that ran nothing, the tick loop waits for the next copy to land: Engine._supervise); a loading request
+whose path is all on the device starts then (restore, first chunk), and one whose load failed
+(checksum) fails alone (`take_failed`). No chunk ever reads a page whose load has not completed.
 
 On rank 0, deciding a plan and applying its allocations are one step: the allocator is rank 0's
 record of ownership, and the plan names every (page, generation) it hands out, which is all any

@@ -122,6 +122,10 @@ class Inbox:
         self.installs.append(pending)
         self._wakeup.set()
 
+    def wake(self) -> None:
+        """Ends a wait without a delivery (something outside the inbox changed: a host-tier copy landed)."""
+        self._wakeup.set()
+
     def __bool__(self) -> bool:
         return bool(self.requests or self.aborts or self.adopted or self.installs)
 
@@ -140,12 +144,16 @@ class Inbox:
         return taken
 
     async def wait(self, timeout: float) -> None:
-        """Until something arrives or `timeout` seconds pass."""
-        try:
-            async with asyncio.timeout(timeout):
-                await self._wakeup.wait()
-        except TimeoutError:
-            pass
+        """At once while the inbox holds something; else until something arrives or a wake comes (since the last
+        take or wait), or `timeout` seconds pass."""
+        if not self:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._wakeup.wait()
+            except TimeoutError:
+                pass
+        if not self:  # (a bare wake is consumed here, so that the next wait waits)
+            self._wakeup.clear()
 
 
 @dataclass(frozen=True)

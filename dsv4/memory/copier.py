@@ -69,8 +69,12 @@ class _Job:
 
 
 class CopyEngine:
-    def __init__(self, device: torch.device, delays: Sequence[CopyDelay] = (), seed: int = 0):
+    def __init__(self, device: torch.device, delays: Sequence[CopyDelay] = (), seed: int = 0,
+                 on_complete: Callable[[], None] | None = None):
+        """`on_complete`: called on the copy thread after each job's fence is set (whoever polls the fences
+        may wait for it rather than poll again at once)."""
         self._device = device
+        self._on_complete = on_complete
         self._delays = list(delays)
         self._random = random.Random(seed)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -127,6 +131,8 @@ class CopyEngine:
             except Exception as e:  # a failed copy is its job's error; the thread goes on
                 log.exception("host-tier copy failed")
                 job.fence._complete(f"{type(e).__name__}: {e}")
+            if self._on_complete is not None:
+                self._on_complete()
 
     def _run(self, job: _Job) -> None:
         if self._stream is not None:

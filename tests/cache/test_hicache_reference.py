@@ -124,3 +124,34 @@ async def test_greedy_outputs_with_host_tier_hits_equal_the_reference(checkpoint
         assert_accounted(engine)
     finally:
         await engine.stop()
+
+
+@pytest.mark.timeout(200)
+async def test_copies_in_flight_do_not_spin_the_tick_loop(checkpoint):
+    """While the only request waits for host-tier loads (each held 300 ms by fault injection), the tick loop
+    waits for the copies to land rather than ticking again at once: a few dozen ticks, where a spinning loop
+    ran thousands (and kept the event loop, /health included, from answering until the loads were done).
+    And write-through copies landing once the engine is idle wake it without leaving it awake: the event loop
+    goes on answering (a spinning idle loop would never return from the sleep below)."""
+    engine = start_engine(hicache_args(checkpoint, "index-bf16", verify_indexer="off",
+                                       fault_inject="delay:hicache_load:1.0:300ms,delay:hicache_write:1.0:300ms"))
+    await engine.start()
+    try:
+        async with asyncio.timeout(150):
+            rng = random.Random(3)
+            vocab = engine.model_config.vocab_size
+            base = [rng.randrange(vocab) for _ in range(3 * P + 40)]
+            await generate(engine, "cold", base)
+            await generate(engine, "filler", [rng.randrange(vocab) for _ in range(DEVICE_PAGES * P - 20)])
+            ticks = metric(engine, "dsv4_ticks_total")
+            started = asyncio.get_running_loop().time()
+            _, cached = await generate(engine, "hit", base)
+            waited = asyncio.get_running_loop().time() - started
+            hit_ticks = metric(engine, "dsv4_ticks_total") - ticks
+            await generate(engine, "last", [rng.randrange(vocab) for _ in range(2 * P + 10)])
+            await asyncio.sleep(0.6)  # (its pages' write-through copies land meanwhile, the engine idle)
+        assert cached == 3 * P and metric(engine, "dsv4_prefix_cache_hit_tokens_total", {"tier": "host"}) >= 3 * P
+        assert waited >= 0.3  # (the loads were held)
+        assert hit_ticks < 60
+    finally:
+        await engine.stop()

@@ -6,6 +6,7 @@ import sys
 
 CHILD = """
 import gc, weakref
+gc.disable()  # (nothing collects before settle_heap does)
 from dsv4.engine.launch import settle_heap
 
 class Node:
@@ -16,7 +17,6 @@ garbage.self = garbage  # a cycle: only the cyclic collector frees it
 dead = weakref.ref(garbage)
 del garbage
 kept = [Node() for _ in range(1000)]
-gc.disable()  # (nothing collects before settle_heap does)
 settle_heap()
 assert dead() is None, "the startup garbage was frozen instead of collected"
 assert gc.get_freeze_count() >= len(kept), gc.get_freeze_count()

@@ -3,16 +3,16 @@ every piece of the layer: what `_Block` computes through a dozen kernel calls an
 them, from tensors bound once. A c=1 decode layer of `small` spent ~250 us in its kernels and ~200 more
 in the Python and torch ops around them.
 
-`FusedLayer` binds a layer's weights, pools and constants at construction; `DecodeStep` prepares, once
-per forward, the batch's indices (from its DecodePlan, dsv4/model/plan.py) and RoPE tables that every layer
-reads; `DecodeBuffers` keeps the layers' residuals and their kernels' p[] arrays from step to step. A forward
-every layer of which runs fused is planned as a DecodePlan alone (ModelRunner, `PagedModel.runs_fused`).
-A layer runs fused where its indexer (a CSA layer's) does not select (`FusedLayer.serves`: contexts of at
-most index_topk compressed rows). Where windows of its compressors complete in the step, the call also pools and stores their new
-rows, which its attention reads; where the pools fingerprint the index keys it would write, it runs in two
-calls around the compressors' own storing (PagedCompressor.store) and recording of them instead.
-Otherwise, and for batches that are not decode steps of at most cpu_project.KERNEL_TOKENS tokens, the
-layer runs as `_Block`. Both give the same bits."""
+`FusedLayer` binds a layer's weights, pools and constants at construction; `DecodeStep` prepares, once per
+forward, the batch's indices (from its DecodePlan, dsv4/model/plan.py) and RoPE tables that every layer
+reads; `DecodeBuffers` keeps the layers' residuals and their kernels' p[] arrays from step to step. A
+forward every layer of which runs fused is planned as a DecodePlan alone (ModelRunner,
+`PagedModel.runs_fused`). A layer runs fused where its indexer (a CSA layer's) does not select
+(`FusedLayer.serves`: contexts of at most index_topk compressed rows). Where windows of its compressors
+complete in the step, the call also pools and stores their new rows, which its attention reads; where the
+pools fingerprint the index keys it would write, it runs in two calls around the compressors' own storing
+(PagedCompressor.store) and recording of them instead. Otherwise, and for batches that are not decode steps
+of at most cpu_project.KERNEL_TOKENS tokens, the layer runs as `_Block`. Both give the same bits."""
 
 from __future__ import annotations
 

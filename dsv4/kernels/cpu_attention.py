@@ -138,10 +138,13 @@ def decode_attention(q: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
 def decode_params(batch: int, heads: int, dim: int, dtype: torch.dtype, window: torch.Tensor,
                   compressed_pool: torch.Tensor | None, count: int) -> tuple[int, ...]:
     """decode_attention's p[] (cpu/attention.c's D_*) for queries [B, H, D] of `dtype`, `count` compressed
-    rows a token (compressed_pool None: none)."""
+    rows a token (compressed_pool None: none); `count` at DECODE_COUNT_AT."""
     pool_strides = (0, 0) if compressed_pool is None else (compressed_pool.stride(0), compressed_pool.stride(1))
     return (batch, heads, dim, window.shape[1], count, dtype == torch.float32, window.stride(0), window.stride(1),
             *pool_strides)
+
+
+DECODE_COUNT_AT = 4  # (D_C)
 
 
 def _decode_ready(q: torch.Tensor, window: torch.Tensor, compressed_pool: torch.Tensor | None, indices: tuple,

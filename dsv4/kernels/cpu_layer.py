@@ -64,6 +64,10 @@ class Params:
         self.arrays = [(ctypes.c_int64 * len(p))(*p) for p in params]  # (held: the pointers below are theirs)
         self.pointers = (ctypes.c_void_p * len(PARAMS))(*map(ctypes.addressof, self.arrays))
 
+    def set(self, kernel: int, at: int, value: int) -> None:
+        """Sets element `at` of kernel `kernel`'s p[] (its index in PARAMS) for the calls that follow."""
+        self.arrays[kernel][at] = value
+
 
 def scratch_bytes(params: Params) -> int:
     """The bytes of the intermediates a layer of these params keeps between its phases (its "scratch")."""

@@ -48,6 +48,7 @@ _NEW_ROWS = [_AT[name] for name in ("window_cos2", "window_sin2", "window_pages"
 _EMBED = _AT["embed"]
 _HEAD = [_AT[name] for name in ("head_fn", "head_base", "head_scale", "head_norm", "head", "logits")]
 _SCRATCH = _AT["scratch"]
+_ATTENTION_PARAMS = cpu_layer.PARAMS.index("attention")
 
 
 class _Seen(NamedTuple):
@@ -92,10 +93,10 @@ class DecodeBuffers:
     (its streams the embedded tokens', its output and post zero and its comb the identity, as
     Residual.start makes them) and every layer's output, in two sets by layer parity (a layer reads the
     last one's, which it never writes); the layers' kernels' p[] arrays, by what they depend on (built
-    anew in every step, a kind's took ~25 us of it in situ); and the kernel-read forms of the plan parts
-    steps share (`read`)."""
+    anew in every step, a kind's took ~25 us of it in situ); the kernel-read forms of the plan parts
+    steps share (`read`); and where the compressors' feeds copy out the windows that complete (`windows`)."""
 
-    MAX_PARAMS = 64  # p[] sets kept (they change with the compressed rows seen: a long context's are dropped)
+    MAX_PARAMS = 64  # p[] sets kept (by kind and how compressors advance: then dropped all at once)
     MAX_READ = 64  # plan parts whose kernel-read forms are kept (`read`)
 
     def __init__(self, tokens: int, streams: int, hidden: int, dtype: torch.dtype):
@@ -109,6 +110,7 @@ class DecodeBuffers:
         self.start, self.outputs = start, [residual(), residual()]
         self.params: dict[tuple, cpu_layer.Params] = {}
         self._read: dict[int, tuple] = {}  # id(part) -> (the part, held: its id stays its own; its form)
+        self._windows: dict[tuple[int, ...], torch.Tensor] = {}  # (`windows`)
 
     def read(self, part: CompressedRows | CompressPlan, form: Callable) -> _Seen | _Feed:
         """`form(part)` of a part of a decode plan, as the layers' calls read it: the same object in every step
@@ -122,6 +124,16 @@ class DecodeBuffers:
         self._read[id(part)] = (part, value)
         return value
 
+    def windows(self, feed: int, windows: int, span: int, width: int) -> torch.Tensor:
+        """Where a layer's fed compressor `feed` (0 or 1) copies out the slots of the `windows` windows that
+        complete in a step, [windows, span, width] fp32, as its call's stores read them: kept, since the
+        layers' calls run one at a time."""
+        key = (feed, windows, span, width)
+        slots = self._windows.get(key)
+        if slots is None:
+            slots = self._windows[key] = torch.empty(windows, span, width)
+        return slots
+
     def first(self, x: torch.Tensor) -> Residual:
         """The first layer's input for the embedded tokens x [T, hidden] (the buffers' start, x in its streams)."""
         self.start.streams.copy_(x.unsqueeze(1).expand_as(self.start.streams))
@@ -134,6 +146,7 @@ class DecodeStep:
     def __init__(self, plan: DecodePlan, ropes: dict[bool, Rope], buffers: DecodeBuffers):
         """`buffers`: of the step's token count, where the layers' outputs go."""
         self.tokens = len(plan.token_ids)
+        self.buffers = buffers
         self._residuals = buffers.outputs
         self.positions, self.token_ids = as_read(plan.positions, torch.int64), as_read(plan.token_ids, torch.int64)
         self.slots = as_read(plan.slots, torch.int64)
@@ -201,15 +214,23 @@ class DecodeStep:
         return len(plan.token_ids) <= cpu_project.KERNEL_TOKENS
 
     def params(self, layer: FusedLayer) -> cpu_layer.Params:
-        """`layer`'s kernels' p[] arrays for this step: its kind's, given the compressed rows it sees and how its
-        compressors advance (the buffers' from an earlier step where those were the same)."""
+        """`layer`'s kernels' p[] arrays for this step: its kind's, given how its compressors advance and
+        whether its tokens see compressed rows (the buffers' from an earlier step where those were the same),
+        the count of the rows seen set in them: it grows by one every `ratio` tokens, and a p[] set built
+        anew for each count took ~25 us in those steps."""
         ratio = layer.ratio
-        key = (layer.kind,) if ratio is None else (layer.kind, self.seen[ratio].count, *self.feeds[ratio][:4])
+        if ratio is None:
+            key, count = (layer.kind,), None
+        else:
+            count = self.seen[ratio].count
+            key = (layer.kind, count > 0, *self.feeds[ratio][:4])
         params = self._params.get(key)
         if params is None:
             if len(self._params) >= DecodeBuffers.MAX_PARAMS:
                 self._params.clear()
             params = self._params[key] = cpu_layer.Params(layer.params(self))
+        if count is not None:
+            params.set(_ATTENTION_PARAMS, cpu_attention.DECODE_COUNT_AT, count)
         return params
 
 
@@ -239,7 +260,10 @@ class FusedLayer:
         self.stores_in_call = (bool(self.stores) and not pools.fingerprints_index_keys
                                and all(format_ in cpu_compressor.STORE_FORMATS for _, _, format_ in self.stores)
                                and all(state.shape[1] <= cpu_compressor.MAX_STORE_SPAN for _, state, _ in self.feeds))
+        # (held: `store_pointers` are theirs)
         self.store_targets = [(as_read(compressor.norm, torch.float32), cache) for compressor, cache, _ in self.stores]
+        self.store_pointers = [(at, tensor.data_ptr()) for ats, targets in zip(_STORES, self.store_targets, strict=False)
+                               for at, tensor in zip(ats, targets, strict=True)]
         self.window_pool = pools.window(layer)
         self.compressed_pool = pools.compressed_rows(layer) if self.ratio is not None else None
         gate, route = ffn.router
@@ -359,7 +383,7 @@ class FusedLayer:
                 self._bound[3] = feed
             windows = feed.windows
             if windows:
-                slots = self._window_slots(pointers, step, windows)  # (held through the calls)
+                slots = self._window_slots(pointers, step, windows)
                 if not self.stores_in_call:
                     self._around_new_rows(pointers, step, slots)
                     return out
@@ -371,7 +395,7 @@ class FusedLayer:
         """Where each fed compressor's feed copies out the slots of the `windows` windows that complete in the
         step (fp32, as `feed` returns them), their pointers set."""
         span = step.feeds[self.ratio].span
-        slots = [torch.empty(windows, span, 2 * ape.shape[1]) for ape, _, _ in self.feeds]
+        slots = [step.buffers.windows(c, windows, span, 2 * ape.shape[1]) for c, (ape, _, _) in enumerate(self.feeds)]
         for at, tensor in zip(_WINDOWS, slots, strict=False):
             pointers[at] = tensor.data_ptr()
         return slots
@@ -379,8 +403,8 @@ class FusedLayer:
     def _set_stores(self, pointers: ctypes.Array, step: DecodeStep) -> None:
         """Sets the pointers of the call's stores of the rows of the windows that complete in the step (each
         compressor's norm and pool, the rows' RoPE tables and places)."""
-        for (norm_at, cache_at), (norm, cache) in zip(_STORES, self.store_targets, strict=False):
-            pointers[norm_at], pointers[cache_at] = norm.data_ptr(), cache.data_ptr()
+        for at, address in self.store_pointers:
+            pointers[at] = address
         for at, address in zip(_NEW_ROWS, step.new_rows(self.ratio), strict=True):
             pointers[at] = address
 

@@ -152,10 +152,12 @@ class DecodePlanner:
     the plan (`plan`), for a batch of decode tokens alone that each sample and none asks prompt logits or
     captures a boundary. The parts that repeat from step to step are kept, not built again: a ratio's
     compressed rows seen (they change where a token completes a window, or a chunk its pages) and its
-    compressors' plan where no window completes (it depends on the slots and the windows' phases alone).
-    Nothing writes a plan's tensors, so steps may share them. A c=1 decode step of `small` (its process's
-    caches cold from the weights' stream) planned in ~240 us as a whole BatchPlan, in ~170 as a DecodePlan
-    built anew, in ~35 (median) with the kept parts."""
+    compressors' plan, which depends on the slots and the windows' phases alone, but for the positions and
+    places of the windows that complete (`_at_windows`) and, near a sequence's start, its pooled rows
+    before position 0. Nothing writes a plan's tensors, so steps may share them. A c=1 decode step of
+    `small` (its process's caches cold from the weights' stream) planned in ~240 us as a whole BatchPlan,
+    in ~170 as a DecodePlan built anew, in ~35 (median) with the kept parts; a step in which a window
+    completes in ~60 us hot with its compressors' plan built anew, ~15 with it kept."""
 
     MAX_KEPT = 512  # parts kept (then dropped all at once: batches change)
 
@@ -179,20 +181,33 @@ class DecodePlanner:
         for ratio, state_rows in self.state_rows.items():
             rows_key = ("rows", ratio, pages, tuple(end // ratio for end in ends))
             completes = any(end % ratio == 0 for end in ends)
-            feed_key = None if completes else ("feed", ratio, slots, tuple(end % ratio for end in ends))
+            feed_key = ("feed", ratio, slots, tuple(end % ratio for end in ends),
+                        completes and tuple(end < state_rows for end in ends))  # (windows reaching before 0)
             rows, feed = self._kept.get(rows_key), self._kept.get(feed_key)
             if rows is None or feed is None:
                 chunks = chunks or _Chunks.of(batch.chunks, self.page_size)
             if rows is None:
                 rows = self._kept[rows_key] = _compressed_rows(chunks, chunks.start[:, None], ratio)
             if feed is None:
-                feed = _decode_compress_plan(chunks, ratio, state_rows)
-                if feed_key is not None:
-                    self._kept[feed_key] = feed
+                feed = self._kept[feed_key] = _decode_compress_plan(chunks, ratio, state_rows)
+            elif completes:
+                feed = _at_windows(feed, batch.chunks, ends, self.page_size)
             compressed[ratio], compress[ratio] = rows, feed
         return DecodePlan(token_ids=_tensor([c.token_ids[0] for c in batch.chunks]),
                           positions=_tensor([c.start_pos for c in batch.chunks]), slots=_tensor(slots),
                           compressed=compressed, compress=compress)
+
+
+def _at_windows(kept: CompressPlan, chunks, ends: list[int], page_size: int) -> CompressPlan:
+    """`kept`, the plan of decode chunks of the same slots and phases in an earlier step, with the positions
+    and places of the windows that complete in this one (`chunks`, whose tokens end at `ends`), as
+    `_decode_compress_plan` numbers them: one a chunk whose token ends a window, in chunk order."""
+    ratio = kept.ratio
+    done = [(chunk, end - ratio) for chunk, end in zip(chunks, ends, strict=True) if end % ratio == 0]
+    return dataclasses.replace(
+        kept, window_positions=_tensor([first for _, first in done]),
+        window_pages=_tensor([chunk.page_ids[min(first // page_size, len(chunk.page_ids) - 1)] for chunk, first in done]),
+        window_page_rows=_tensor([first % page_size // ratio for _, first in done]))
 
 
 def build_plan(cfg: ModelConfig, batch: ForwardBatch, page_size: int) -> BatchPlan:

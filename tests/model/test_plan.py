@@ -62,16 +62,17 @@ def test_decode_plan_in_closed_form_equals_the_general_one(tiny_ckpt, seed):
 
 def test_decode_planner_equals_the_decode_part_of_the_plan(tiny_ckpt):
     """DecodePlanner against DecodePlan.of(build_plan(...)) over runs of decode steps, whose parts it keeps
-    and shares between steps (compressed rows seen, compressor plans where no window completes): the same
-    tensors at every step, through windows completing, pages added and batches changing. Batches that are
+    and shares between steps (compressed rows seen, compressor plans, whose windows' positions and places
+    it sets where windows complete): the same tensors at every step, through windows completing (from
+    the start of a sequence on), pages added and batches changing. Batches that are
     not decode tokens alone, each sampled, are not its."""
     cfg = ModelConfig.from_json(tiny_ckpt)
     planner = plan.DecodePlanner(cfg, PAGE)
     rng = random.Random(7)
     shared = {"compressed": 0, "compress": 0}  # steps whose part is an earlier step's object
     earlier = {part: {} for part in shared}  # id -> part (held: ids stay unique)
-    for _ in range(6):
-        positions = rng.sample(range(600), rng.choice((1, 3, 8)))
+    for run in range(7):  # (the first from near position 0: windows there pool rows before it)
+        positions = rng.sample(range(12) if run == 0 else range(600), rng.choice((1, 3, 8)))
         slots = rng.sample(range(40), len(positions))
         pages = [list(rng.sample(range(200), p // PAGE + 1)) for p in positions]
         for _ in range(rng.randrange(10, 140)):

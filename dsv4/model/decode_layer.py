@@ -29,7 +29,7 @@ from dsv4.memory.pools import StatePools
 
 from .attention import softmax_scale
 from .mhc import Residual
-from .ops import Rope
+from .ops import Rope, RopeTables
 from .plan import CompressedRows, CompressPlan, DecodePlan
 
 _AT = {name: i for i, name in enumerate(cpu_layer.POINTERS)}
@@ -143,23 +143,24 @@ class DecodeBuffers:
 class DecodeStep:
     """A batch of decode tokens as every layer's one call reads it, prepared once a forward."""
 
-    def __init__(self, plan: DecodePlan, ropes: dict[bool, Rope], buffers: DecodeBuffers):
-        """`buffers`: of the step's token count, where the layers' outputs go."""
+    def __init__(self, plan: DecodePlan, rope_tables: dict[bool, RopeTables], buffers: DecodeBuffers):
+        """`rope_tables`: by "is a window layer", the RoPE of each kind of layer; `buffers`: of the step's
+        token count, where the layers' outputs go."""
         self.tokens = len(plan.token_ids)
         self.buffers = buffers
         self._residuals = buffers.outputs
         self.positions, self.token_ids = as_read(plan.positions, torch.int64), as_read(plan.token_ids, torch.int64)
         self.slots = as_read(plan.slots, torch.int64)
-        self.tables = {window: (as_read(rope.cos2, torch.float32), as_read(rope.sin2, torch.float32))
-                       for window, rope in ropes.items()}
+        self._held: list = []  # (what the addresses given to the calls point into)
+        # By kind of layer: the addresses of its RoPE tables (cos2, sin2 [T, width] fp32) and their width
+        self.tables = {window: self._rope_rows(tables, plan) for window, tables in rope_tables.items()}
         # By ratio: the compressed rows each token sees, and how the compressors advance
         self.seen = {ratio: buffers.read(rows, _Seen.of) for ratio, rows in plan.compressed.items()}
         self.compress = plan.compress
         self.feeds = {ratio: buffers.read(compress, _Feed.of) for ratio, compress in plan.compress.items()}
-        self._compressed_rope = ropes.get(False)  # (the compressed layers')
+        self._compressed_rope = rope_tables.get(False)  # (the compressed layers')
         self._window_ropes: dict[int, Rope] = {}
         self._new_rows: dict[int, list[int]] = {}
-        self._held: list[torch.Tensor] = []  # (the tensors whose addresses `new_rows` gave)
         # Where the first layer's call embeds the tokens: the embedding's address (None: its input is given);
         # where the last one's runs the head: its tensors' addresses (None: no head in the call)
         self.embed: int | None = None
@@ -167,9 +168,24 @@ class DecodeStep:
         self._params = buffers.params
         # The addresses every layer's call reads, by kind of layer (a window layer's RoPE tables or a
         # compressed one's): the tables, positions, slots, positions again (the ring's) and token ids
-        self.pointers = {window: [t.data_ptr() for t in (*tables, self.positions, self.slots, self.positions,
-                                                          self.token_ids)]
-                         for window, tables in self.tables.items()}
+        addresses = [t.data_ptr() for t in (self.positions, self.slots, self.positions, self.token_ids)]
+        self.pointers = {window: [cos2, sin2, *addresses] for window, (cos2, sin2, _) in self.tables.items()}
+
+    def _rope_rows(self, tables: RopeTables, plan: DecodePlan) -> tuple[int, int, int]:
+        """The addresses of the RoPE tables (cos2, sin2 [T, width] fp32) at the step's positions, and their
+        width: a token's rows in the kept tables where there is one (address arithmetic: the tensor ops of a
+        Rope of one row, ~5 us a kind, took ~4 times that in situ, their caches cold from the weights'
+        stream), else the tables at the positions (RopeTables.at)."""
+        table = tables.table(plan.last_position) if self.tokens == 1 else None
+        if table is not None and table.cos2.dtype == torch.float32:
+            self._held.append(table)
+            cos2, sin2 = table.cos2, table.sin2
+            row = plan.last_position * cos2.stride(0) * cos2.element_size()  # (both contiguous, of one shape)
+            return cos2.data_ptr() + row, sin2.data_ptr() + row, cos2.shape[-1]
+        rope = tables.at(plan.positions)
+        cos2, sin2 = as_read(rope.cos2, torch.float32), as_read(rope.sin2, torch.float32)
+        self._held += [cos2, sin2]
+        return cos2.data_ptr(), sin2.data_ptr(), cos2.shape[-1]
 
     def residual(self, layer: int) -> Residual:
         """Where layer `layer`'s call writes its residual: one of two sets of buffers, by the layer's parity
@@ -322,7 +338,7 @@ class FusedLayer:
     def params(self, step: DecodeStep) -> list[tuple[int, ...]]:
         """The p[] of each of the layer's kernels for `step` (cpu_layer.PARAMS' order)."""
         T, cfg, dtype, s, moe = step.tokens, self.cfg, self.dtype, self.shapes, self.moe
-        hidden, n, rope = cfg.hidden_size, cfg.hc_mult, step.tables[self.window][0].shape[-1]
+        hidden, n, rope = cfg.hidden_size, cfg.hc_mult, step.tables[self.window][2]
         count = 0 if self.ratio is None else step.seen[self.ratio].count
         feeds, stores = [], []
         for (ape, state, _), (compressor, cache, format_) in zip(self.feeds, self.stores, strict=True):

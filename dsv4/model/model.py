@@ -93,17 +93,17 @@ class PagedModel:
         decode = plan if isinstance(plan, DecodePlan) else None
         if decode is None and on_selection is None and any(self.fused):
             decode = DecodePlan.of(plan)
-        ropes = {window: tables.at(plan.positions) for window, tables in self.rope_tables.items()}
         step = None
         if decode is not None and DecodeStep.takes(decode):
             buffers = self._decode_buffers(len(decode.token_ids))
-            step = DecodeStep(decode, ropes, buffers)
+            step = DecodeStep(decode, self.rope_tables, buffers)
             if plan is decode and self.head_kernel is not None:  # (every layer fused: the calls embed, and head)
                 logits = step.embed_and_head(self.embed, self.head_kernel)
                 residual = buffers.start
                 for fused in self.fused:
                     residual = fused(residual, step)
                 return logits
+        ropes = {window: tables.at(plan.positions) for window, tables in self.rope_tables.items()}
         x = self.embed[plan.token_ids]
         if step is not None:
             residual = buffers.first(x)

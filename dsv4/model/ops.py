@@ -231,15 +231,20 @@ class RopeTables:
     def at(self, positions: torch.Tensor) -> Rope:
         if positions.device.type != "cpu" or not 0 < len(positions) <= self.MAX_TOKENS:
             return self._computed(positions)
-        last = int(positions.max())
+        table = self.table(int(positions.max()))
+        return self._computed(positions) if table is None else table.rows(positions)
+
+    def table(self, last: int) -> Rope | None:
+        """The kept tables, a Rope at positions 0 .. n - 1 for an n past `last` (grown where it is not);
+        None past MAX_POSITIONS."""
         if last >= self.MAX_POSITIONS:
-            return self._computed(positions)
+            return None
         table = self._table
         if table is None or last >= table.cos.shape[0]:
             size = max(self.FIRST_SIZE, 1 << last.bit_length())
-            table = self._table = Rope(torch.arange(size, device=positions.device), self.inv_freq, self.dtype)
+            table = self._table = Rope(torch.arange(size, device=self.inv_freq.device), self.inv_freq, self.dtype)
             table.tables = self
-        return table.rows(positions)
+        return table
 
     def _computed(self, positions: torch.Tensor) -> Rope:
         rope = Rope(positions, self.inv_freq, self.dtype)

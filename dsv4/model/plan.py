@@ -130,6 +130,7 @@ class DecodePlan:
     slots: torch.Tensor  # [T]
     compressed: dict[int, CompressedRows]  # by ratio (visible [T, 1, n_max])
     compress: dict[int, CompressPlan]  # by ratio
+    last_position: int  # the largest of `positions`
 
     @classmethod
     def of(cls, plan: BatchPlan) -> DecodePlan | None:
@@ -137,7 +138,8 @@ class DecodePlan:
         if not decodes_wrote_ring(plan):
             return None
         group = plan.groups[0]
-        return cls(plan.token_ids, plan.positions, group.slots[:, 0], group.compressed, plan.compress)
+        return cls(plan.token_ids, plan.positions, group.slots[:, 0], group.compressed, plan.compress,
+                   int(plan.positions.max()))
 
 
 def decodes_wrote_ring(plan: BatchPlan) -> bool:
@@ -195,7 +197,7 @@ class DecodePlanner:
             compressed[ratio], compress[ratio] = rows, feed
         return DecodePlan(token_ids=_tensor([c.token_ids[0] for c in batch.chunks]),
                           positions=_tensor([c.start_pos for c in batch.chunks]), slots=_tensor(slots),
-                          compressed=compressed, compress=compress)
+                          compressed=compressed, compress=compress, last_position=max(ends) - 1)
 
 
 def _at_windows(kept: CompressPlan, chunks, ends: list[int], page_size: int) -> CompressPlan:

@@ -87,6 +87,7 @@ def test_decode_planner_equals_the_decode_part_of_the_plan(tiny_ckpt):
             got, want = planner.plan(batch), plan.DecodePlan.of(plan.build_plan(cfg, batch, PAGE))
             for field in ("token_ids", "positions", "slots"):
                 assert torch.equal(getattr(got, field), getattr(want, field)), field
+            assert got.last_position == want.last_position == max(positions)
             for r in want.compress:
                 assert_same(got.compressed[r], want.compressed[r], f"compressed[{r}]")
                 assert_same(got.compress[r], want.compress[r], f"compress[{r}]")

@@ -16,8 +16,8 @@ import torch
 
 from .cpu_library import available, entry
 
-__all__ = ["BACK", "FLOATS", "FRONT", "PARAMS", "POINTERS", "WHOLE", "Params", "available", "decode_layer", "layer_params",
-           "pointers", "scratch_bytes"]
+__all__ = ["BACK", "FLOATS", "FRONT", "PARAMS", "POINTERS", "WHOLE", "Calls", "Params", "available", "decode_layer",
+           "layer_params", "pointers", "scratch_bytes"]
 
 # cpu/layer.c's ptr[] order: the residual; the attention's mix weights; its projections' weights and the
 # RoPE tables; the positions; two compressors' ape, state and plan rows; the attention's pools, rows and
@@ -63,10 +63,51 @@ class Params:
             raise RuntimeError(f"cpu decode_layer: {len(PARAMS)} parameter arrays (got {len(params)})")
         self.arrays = [(ctypes.c_int64 * len(p))(*p) for p in params]  # (held: the pointers below are theirs)
         self.pointers = (ctypes.c_void_p * len(PARAMS))(*map(ctypes.addressof, self.arrays))
+        self.address = ctypes.addressof(self.pointers)
 
     def set(self, kernel: int, at: int, value: int) -> None:
         """Sets element `at` of kernel `kernel`'s p[] (its index in PARAMS) for the calls that follow."""
         self.arrays[kernel][at] = value
+
+
+class Calls:
+    """Whole layers' calls queued to run as one (`run`: cpu/layer.c's decode_layers), in the order added:
+    a step's Python prepares every layer's call in one stretch, between two of its kernels' runs."""
+
+    def __init__(self, capacity: int):
+        self._pointers, self._params, self._floats = ((ctypes.c_void_p * capacity)() for _ in range(3))
+        self._held: list = []  # (the arrays the queued addresses are of)
+        self.count = 0
+
+    def add(self, pointers: ctypes.Array, params: Params, floats: ctypes.Array) -> None:
+        """Queues a layer's call: `pointers` as `pointers` makes them, `floats` in FLOATS order; the arrays
+        are read when the calls run, as they are then."""
+        if len(pointers) != len(POINTERS) or len(floats) != len(FLOATS):
+            raise RuntimeError(f"cpu decode_layer: {len(POINTERS)} pointers and {len(FLOATS)} floats (got "
+                               f"{len(pointers)}, {len(floats)})")
+        i = self.count
+        if i == len(self._pointers):
+            raise RuntimeError(f"cpu decode_layers: more than {i} calls queued")
+        self._pointers[i], self._params[i], self._floats[i] = (ctypes.addressof(pointers), params.address,
+                                                               ctypes.addressof(floats))
+        self._held += (pointers, params, floats)
+        self.count = i + 1
+
+    def clear(self) -> None:
+        """Drops the queued calls unrun."""
+        self.count = 0
+        self._held.clear()
+
+    def run(self) -> None:
+        """Runs the queued calls, in order, and empties the queue."""
+        count, held = self.count, self._held  # (held through the call)
+        if not count:
+            return
+        self.count, self._held = 0, []
+        status = entry("decode_layers")(count, self._pointers, self._params, self._floats, torch.get_num_threads())
+        del held
+        if status != 0:
+            raise MemoryError(f"cpu decode_layers: a kernel could not allocate its scratch memory ({status})")
 
 
 def scratch_bytes(params: Params) -> int:

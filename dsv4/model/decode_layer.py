@@ -5,8 +5,11 @@ in the Python and torch ops around them.
 
 `FusedLayer` binds a layer's weights, pools and constants at construction; `DecodeStep` prepares, once per
 forward, the batch's indices (from its DecodePlan, dsv4/model/plan.py) and RoPE tables that every layer
-reads; `DecodeBuffers` keeps the layers' residuals and their kernels' p[] arrays from step to step. A
-forward every layer of which runs fused is planned as a DecodePlan alone (ModelRunner,
+reads; `DecodeBuffers` keeps the layers' residuals and their kernels' p[] arrays from step to step. The
+layers' calls are queued on the step and run together (cpu/layer.c's decode_layers) where something reads
+their output: the step's Python then runs in one stretch, not nine, each of which ran ~4 times slower
+than hot, its caches cold from the kernels' weight streams (a c=1 step of `small`: ~350 -> ~290 us of
+Python in situ). A forward every layer of which runs fused is planned as a DecodePlan alone (ModelRunner,
 `PagedModel.runs_fused`). A layer runs fused where its indexer (a CSA layer's) does not select
 (`FusedLayer.serves`: contexts of at most index_topk compressed rows). Where windows of its compressors
 complete in the step, the call also pools and stores their new rows, which its attention reads; where the
@@ -94,12 +97,13 @@ class DecodeBuffers:
     Residual.start makes them) and every layer's output, in two sets by layer parity (a layer reads the
     last one's, which it never writes); the layers' kernels' p[] arrays, by what they depend on (built
     anew in every step, a kind's took ~25 us of it in situ); the kernel-read forms of the plan parts
-    steps share (`read`); and where the compressors' feeds copy out the windows that complete (`windows`)."""
+    steps share (`read`); where the compressors' feeds copy out the windows that complete (`windows`); and
+    the queue of the layers' calls."""
 
     MAX_PARAMS = 64  # p[] sets kept (by kind and how compressors advance: then dropped all at once)
     MAX_READ = 64  # plan parts whose kernel-read forms are kept (`read`)
 
-    def __init__(self, tokens: int, streams: int, hidden: int, dtype: torch.dtype):
+    def __init__(self, tokens: int, streams: int, hidden: int, dtype: torch.dtype, layers: int):
         def residual() -> Residual:
             return Residual(torch.empty(tokens, streams, hidden, dtype=dtype), torch.empty(tokens, hidden, dtype=dtype),
                             torch.empty(tokens, streams), torch.empty(tokens, streams, streams))
@@ -111,6 +115,7 @@ class DecodeBuffers:
         self.params: dict[tuple, cpu_layer.Params] = {}
         self._read: dict[int, tuple] = {}  # id(part) -> (the part, held: its id stays its own; its form)
         self._windows: dict[tuple[int, ...], torch.Tensor] = {}  # (`windows`)
+        self.calls = cpu_layer.Calls(layers)  # (a step's, `DecodeStep.run_layers`)
 
     def read(self, part: CompressedRows | CompressPlan, form: Callable) -> _Seen | _Feed:
         """`form(part)` of a part of a decode plan, as the layers' calls read it: the same object in every step
@@ -148,6 +153,8 @@ class DecodeStep:
         token count, where the layers' outputs go."""
         self.tokens = len(plan.token_ids)
         self.buffers = buffers
+        self._calls = buffers.calls
+        self._calls.clear()  # (a failed step's, unrun)
         self._residuals = buffers.outputs
         self.positions, self.token_ids = as_read(plan.positions, torch.int64), as_read(plan.token_ids, torch.int64)
         self.slots = as_read(plan.slots, torch.int64)
@@ -170,6 +177,16 @@ class DecodeStep:
         # compressed one's): the tables, positions, slots, positions again (the ring's) and token ids
         addresses = [t.data_ptr() for t in (self.positions, self.slots, self.positions, self.token_ids)]
         self.pointers = {window: [cos2, sin2, *addresses] for window, (cos2, sin2, _) in self.tables.items()}
+
+    def run_layers(self) -> None:
+        """Runs the layers' calls queued so far (a layer's call is queued, not run: `FusedLayer.__call__`), as
+        one: what reads their outputs runs after this."""
+        self._calls.run()
+
+    def queue(self, pointers: ctypes.Array, params: cpu_layer.Params, floats: ctypes.Array, held: list) -> None:
+        """Queues a layer's call (cpu_layer.Calls.add), `held` kept until it has run."""
+        self._calls.add(pointers, params, floats)
+        self._held += held
 
     def _rope_rows(self, tables: RopeTables, plan: DecodePlan) -> tuple[int, int, int]:
         """The addresses of the RoPE tables (cos2, sin2 [T, width] fp32) at the step's positions, and their
@@ -364,13 +381,17 @@ class FusedLayer:
                 cpu_project.logits_params(T, hidden, cfg.vocab_size, dtype)]
 
     def __call__(self, residual: Residual, step: DecodeStep) -> Residual:
-        """The layer's output residual (its MoE's output unwritten, as `_Block` returns it)."""
+        """The layer's output residual (its MoE's output unwritten, as `_Block` returns it), once its call has
+        run: the call is queued on the step (`DecodeStep.run_layers` runs it), unless windows of its
+        compressors complete and it stores their rows itself (`_around_new_rows`: it runs the queue, then
+        its own phases)."""
         out = step.residual(self.layer)
         pointers = self.pointers
         # (what the array still holds from the last call is not set again: the same buffers and plan parts,
         # held here, in most steps)
+        inputs = []
         if self._bound[0] is not residual or self._bound[1] is not out:
-            inputs = [as_read(t) for t in residual]  # (held through the call)
+            inputs = [as_read(t) for t in residual]  # (held until the call has run)
             for at, tensor in zip(_RESIDUAL, (*inputs, *out), strict=True):
                 pointers[at] = tensor.data_ptr()
             own = all(a is b for a, b in zip(inputs, residual, strict=True))  # (not copies made for this call)
@@ -401,10 +422,11 @@ class FusedLayer:
             if windows:
                 slots = self._window_slots(pointers, step, windows)
                 if not self.stores_in_call:
+                    step.run_layers()
                     self._around_new_rows(pointers, step, slots)
                     return out
                 self._set_stores(pointers, step)
-        cpu_layer.decode_layer(pointers, step.params(self), self.floats)
+        step.queue(pointers, step.params(self), self.floats, inputs)
         return out
 
     def _window_slots(self, pointers: ctypes.Array, step: DecodeStep, windows: int) -> list[torch.Tensor]:

@@ -102,6 +102,7 @@ class PagedModel:
                 residual = buffers.start
                 for fused in self.fused:
                     residual = fused(residual, step)
+                step.run_layers()
                 return logits
         ropes = {window: tables.at(plan.positions) for window, tables in self.rope_tables.items()}
         x = self.embed[plan.token_ids]
@@ -113,7 +114,11 @@ class PagedModel:
             if step is not None and fused is not None and fused.serves(decode):
                 residual = fused(residual, step)
             else:
+                if step is not None:
+                    step.run_layers()
                 residual = block(residual, plan, ropes[block.window], on_selection, self.pieces)
+        if step is not None:
+            step.run_layers()
         if plan is decode or (step is not None and not len(plan.prompt_tokens)
                               and len(plan.sample_tokens) == step.tokens):
             last = residual  # (every token's row, in order)
@@ -130,7 +135,7 @@ class PagedModel:
         buffers = self._buffers_by_tokens.get(tokens)
         if buffers is None:
             buffers = self._buffers_by_tokens[tokens] = DecodeBuffers(tokens, self.cfg.hc_mult, self.cfg.hidden_size,
-                                                                     self.dtype)
+                                                                     self.dtype, self.cfg.num_layers)
         return buffers
 
     def _head_kernel(self, cfg: ModelConfig) -> tuple[torch.Tensor, ...] | None:

@@ -1,5 +1,6 @@
-"""Decode steps whose layers run as one C call each (dsv4.model.decode_layer) against the same steps
-through the kernels one at a time (`_Block`): the same logits and the same state, to the bit.
+"""Decode steps whose layers run as one C call each (dsv4.model.decode_layer; queued, then run together)
+against the same steps through the kernels one at a time (`_Block`): the same logits and the same state,
+to the bit.
 
 Two copies of each request run side by side, one fused and one not, from the same prompt. Their decode
 steps cross every case the fused path meets: windows of both ratios completing (a layer's call then stores
@@ -54,14 +55,23 @@ def test_fused_decode_layers_equal_the_kernels_one_by_one(tiny_ckpt, dtype, fing
     run, store_at = cpu_layer.decode_layer, cpu_layer.POINTERS.index("store_norm_0")
     embed_at, logits_at = cpu_layer.POINTERS.index("embed"), cpu_layer.POINTERS.index("logits")
 
-    def decode_layer(pointers, *args, phases=cpu_layer.WHOLE):
+    def record(pointers, phases):  # (a queued call's pointers stay as they are until it runs)
         calls.append(phases)
         stores.append(pointers[store_at] is not None)
         ends.append((pointers[embed_at] is not None and phases & cpu_layer.FRONT,
                      pointers[logits_at] is not None and phases & cpu_layer.BACK))
+
+    def decode_layer(pointers, *args, phases=cpu_layer.WHOLE):
+        record(pointers, phases)
         return run(pointers, *args, phases=phases)
 
+    def add(self, pointers, *args):
+        record(pointers, cpu_layer.WHOLE)
+        return queue(self, pointers, *args)
+
+    queue = cpu_layer.Calls.add
     monkeypatch.setattr(cpu_layer, "decode_layer", decode_layer)
+    monkeypatch.setattr(cpu_layer.Calls, "add", add)
 
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=generator).tolist() for n in PROMPTS]
@@ -108,8 +118,8 @@ def test_fused_decode_layers_equal_the_kernels_one_by_one(tiny_ckpt, dtype, fing
 def test_only_batches_of_decode_tokens_alone_run_fused(tiny_ckpt, monkeypatch):
     runner = make_runner(tiny_ckpt, "float32")
     calls = []
-    run = cpu_layer.decode_layer
-    monkeypatch.setattr(cpu_layer, "decode_layer", lambda *args, **kwargs: (calls.append(1), run(*args, **kwargs)))
+    queue = cpu_layer.Calls.add
+    monkeypatch.setattr(cpu_layer.Calls, "add", lambda *args: (calls.append(1), queue(*args)))
     prompt = list(range(3, 40))
     runner.forward(ForwardBatch(tick=1, chunks=(chunk(0, 0, 0, prompt),)))  # a prefill
     assert not calls

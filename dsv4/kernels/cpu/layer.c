@@ -21,7 +21,8 @@
  * stores them itself (dsv4/model/decode_layer.py: where index keys are fingerprinted) runs the layer in two
  * calls around its storing instead: phase FRONT (the mix, the projections and the feeds), then BACK (the
  * rest), the intermediates kept between them in the caller's scratch (decode_layer_scratch bytes). Each
- * kernel runs its own parallel region, as when called alone. */
+ * kernel runs its own parallel region, as when called alone. decode_layers runs a step's layers' calls one
+ * after another, so that the caller prepares them all in one stretch of Python. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -181,4 +182,15 @@ int decode_layer(void *const *ptr, const int64_t *const *params, const float *f,
     status = decode_logits(at[X], ptr[HEAD], ptr[LOGITS], params[P_LOGITS], threads);
   if (!ptr[SCRATCH]) free(scratch);
   return status;
+}
+
+/* `count` whole layers' calls, each as decode_layer takes it, one after another; stops at the first that
+ * fails (its status) */
+int decode_layers(int64_t count, void *const *const *ptrs, const int64_t *const *const *params,
+                  const float *const *floats, int threads) {
+  for (int64_t i = 0; i < count; i++) {
+    const int status = decode_layer(ptrs[i], params[i], floats[i], FRONT | BACK, threads);
+    if (status) return status;
+  }
+  return 0;
 }

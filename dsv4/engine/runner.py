@@ -133,25 +133,31 @@ class ModelRunner:
             src = self.pools.slot_view(c.src, c.src_generation)
             self.pools.slot_view(c.dst, c.dst_generation).copy_(src)
 
+    def _chunk_problem(self, c) -> str | None:
+        """What makes chunk `c` unrunnable here, if anything."""
+        if not 0 <= c.slot < self.num_slots:
+            return f"slot {c.slot} outside 0..{self.num_slots - 1}"
+        if not c.token_ids or c.start_pos < 0:
+            return f"empty chunk or negative start_pos {c.start_pos}"
+        if not 0 <= min(c.token_ids) <= max(c.token_ids) < self.cfg.vocab_size:
+            return f"token ids outside 0..{self.cfg.vocab_size - 1}"
+        if len(c.page_ids) != len(c.page_generations):
+            return f"{len(c.page_ids)} pages but {len(c.page_generations)} generations"
+        end = c.start_pos + len(c.token_ids)
+        if len(c.page_ids) * self.page_size < end:
+            return f"{len(c.page_ids)} pages of {self.page_size} cannot hold {end} tokens"
+        if c.page_ids and not 0 <= min(c.page_ids) <= max(c.page_ids) < self.num_pages:
+            return f"page ids outside 0..{self.num_pages - 1}"
+        return None
+
     def _check(self, batch: ForwardBatch) -> None:
         slots = [c.slot for c in batch.chunks]
         if len(set(slots)) != len(slots):
             raise ValueError(f"tick {batch.tick}: chunks share a slot: {slots}")
         for c in batch.chunks:
-            where = f"tick {batch.tick}, request {c.rid}"
-            if not 0 <= c.slot < self.num_slots:
-                raise ValueError(f"{where}: slot {c.slot} outside 0..{self.num_slots - 1}")
-            if not c.token_ids or c.start_pos < 0:
-                raise ValueError(f"{where}: empty chunk or negative start_pos {c.start_pos}")
-            if not 0 <= min(c.token_ids) <= max(c.token_ids) < self.cfg.vocab_size:
-                raise ValueError(f"{where}: token ids outside 0..{self.cfg.vocab_size - 1}")
-            if len(c.page_ids) != len(c.page_generations):
-                raise ValueError(f"{where}: {len(c.page_ids)} pages but {len(c.page_generations)} generations")
-            end = c.start_pos + len(c.token_ids)
-            if len(c.page_ids) * self.page_size < end:
-                raise ValueError(f"{where}: {len(c.page_ids)} pages of {self.page_size} cannot hold {end} tokens")
-            if c.page_ids and not 0 <= min(c.page_ids) <= max(c.page_ids) < self.num_pages:
-                raise ValueError(f"{where}: page ids outside 0..{self.num_pages - 1}")
+            problem = self._chunk_problem(c)
+            if problem:
+                raise ValueError(f"tick {batch.tick}, request {c.rid}: {problem}")
         self.pools.bind_pages([p for c in batch.chunks for p in c.page_ids],
                               [g for c in batch.chunks for g in c.page_generations])
         self.pools.bind_slots([c.slot for c in batch.chunks], [c.slot_generation for c in batch.chunks])

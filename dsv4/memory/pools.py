@@ -36,7 +36,6 @@ import zlib
 from dataclasses import dataclass
 from functools import cache
 
-import numpy as np
 import torch
 
 from dsv4.config import CSA, WINDOW, ModelConfig
@@ -124,7 +123,9 @@ class _Units:
         self.unit_bytes = max(offset, _ALIGN)
         # Zeroed, so never-written bytes are deterministic (checksums, transfers, finite decodes).
         self.data = torch.zeros((count, self.unit_bytes), dtype=torch.uint8, device=device)
-        self.generations = np.full(count, -1, dtype=np.int64)
+        # Each unit's current tenancy (-1: never handed out); a list: a forward binds a few units, and a
+        # NumPy check of them took ~5 us each bind hot, ~25 in situ (the caches cold from the weights' stream)
+        self.generations = [-1] * count
         # (built once: a forward asks for a few views per layer, ~5 us each to slice and reshape anew)
         self._views = {r.name: self.data[:, r.offset : r.offset + r.nbytes].unflatten(1, (r.rows, r.row_bytes))
                        for r in self.regions.values()}
@@ -137,32 +138,31 @@ class _Units:
         """Records newly allocated (id, generation) pairs, in allocation order: from now on each id
         answers to its newest generation only (an id freed and allocated again since the last call
         appears more than once). Generations only grow: one not newer is an allocator bug."""
-        ids, generations = self._checked(what, ids, generations)
-        behind = generations <= self.generations[ids]
-        if behind.any():
-            i = int(np.argmax(behind))
-            raise StaleReference(f"{what} {ids[i]}: handed out under generation {generations[i]}, "
-                                 f"not newer than its generation {self.generations[ids[i]]}")
-        np.maximum.at(self.generations, ids, generations)
+        pairs, current = self._checked(what, ids, generations), self.generations
+        for i, generation in pairs:  # (each against the generation before the call)
+            if generation <= current[i]:
+                raise StaleReference(f"{what} {i}: handed out under generation {generation}, "
+                                     f"not newer than its generation {current[i]}")
+        for i, generation in pairs:
+            current[i] = max(current[i], generation)
 
     def bind(self, what: str, ids, generations) -> None:
         """Raises unless every (id, generation) names the id's current tenancy."""
-        ids, generations = self._checked(what, ids, generations)
-        current = self.generations[ids]
-        wrong = generations != current
-        if wrong.any():
-            i = int(np.argmax(wrong))
-            why = "is stale" if generations[i] < current[i] else "was never handed out"
-            raise StaleReference(f"{what} {ids[i]}: generation {generations[i]} {why} (now at generation {current[i]})")
+        current = self.generations
+        for i, generation in self._checked(what, ids, generations):
+            if generation != current[i]:
+                why = "is stale" if generation < current[i] else "was never handed out"
+                raise StaleReference(f"{what} {i}: generation {generation} {why} (now at generation {current[i]})")
 
-    def _checked(self, what: str, ids, generations) -> tuple[np.ndarray, np.ndarray]:
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        generations = np.asarray(generations, dtype=np.int64).reshape(-1)
-        if ids.shape != generations.shape:
-            raise ValueError(f"{what}: {ids.size} ids but {generations.size} generations")
-        if ids.size and (ids.min() < 0 or ids.max() >= len(self.generations)):
-            raise IndexError(f"{what} id out of range 0..{len(self.generations) - 1}: {ids.tolist()}")
-        return ids, generations
+    def _checked(self, what: str, ids, generations) -> list[tuple[int, int]]:
+        """The (id, generation) pairs, as ints; raises unless they pair up and every id is a unit's."""
+        pairs = list(zip(map(int, ids), map(int, generations)))
+        if len(pairs) != len(ids) or len(pairs) != len(generations):
+            raise ValueError(f"{what}: {len(ids)} ids but {len(generations)} generations")
+        count = len(self.generations)
+        if any(not 0 <= i < count for i, _ in pairs):
+            raise IndexError(f"{what} id out of range 0..{count - 1}: {[i for i, _ in pairs]}")
+        return pairs
 
     def checksum(self, unit: int) -> int:
         return zlib.crc32(self.data[unit].cpu().numpy())
@@ -286,10 +286,10 @@ class StatePools:
         self._slots.bind("slot", slots, generations)
 
     def page_generation(self, page_id: int) -> int:
-        return int(self._pages.generations[page_id])
+        return self._pages.generations[page_id]
 
     def slot_generation(self, slot: int) -> int:
-        return int(self._slots.generations[slot])
+        return self._slots.generations[slot]
 
     # -- pages and slots as bytes (transfers, host cache, verification) ----------------------------
     @property

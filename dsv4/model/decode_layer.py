@@ -52,6 +52,7 @@ _EMBED = _AT["embed"]
 _HEAD = [_AT[name] for name in ("head_fn", "head_base", "head_scale", "head_norm", "head", "logits")]
 _SCRATCH = _AT["scratch"]
 _ATTENTION_PARAMS = cpu_layer.PARAMS.index("attention")
+_KINDS: dict[tuple, int] = {}  # every kind of FusedLayer made, by its number (`FusedLayer.kind`)
 
 
 class _Seen(NamedTuple):
@@ -101,7 +102,7 @@ class DecodeBuffers:
     the queue of the layers' calls."""
 
     MAX_PARAMS = 64  # p[] sets kept (by kind and how compressors advance: then dropped all at once)
-    MAX_READ = 64  # plan parts whose kernel-read forms are kept (`read`)
+    MAX_READ = 1024  # plan parts whose kernel-read forms are kept (`read`; as many as DecodePlanner keeps)
 
     def __init__(self, tokens: int, streams: int, hidden: int, dtype: torch.dtype, layers: int):
         def residual() -> Residual:
@@ -173,6 +174,7 @@ class DecodeStep:
         self.embed: int | None = None
         self.head: list[int] | None = None
         self._params = buffers.params
+        self._kind_params: dict[int, cpu_layer.Params] = {}  # (`params`)
         # The addresses every layer's call reads, by kind of layer (a window layer's RoPE tables or a
         # compressed one's): the tables, positions, slots, positions again (the ring's) and token ids
         addresses = [t.data_ptr() for t in (self.positions, self.slots, self.positions, self.token_ids)]
@@ -229,16 +231,13 @@ class DecodeStep:
             self._held.extend(held)
         return pointers
 
-    def embed_and_head(self, embed: torch.Tensor, head: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Has the first layer's call embed the step's tokens (their rows of `embed`, into the start buffers'
-        streams) and the last one's run the head (PagedModel.head_kernel's tensors: the bf16 head, the
-        padded mix weights, the norm), as PagedModel.forward does around the layers; returns the logits
-        [T, vocab] the last call writes."""
-        weight, fn, base, scale, norm = head
-        logits = torch.empty(self.tokens, weight.shape[0])
-        self._held.append(embed := as_read(embed))
-        self.embed = embed.data_ptr()
-        self.head = [t.data_ptr() for t in (fn, base, scale, norm, weight, logits)]
+    def embed_and_head(self, embed: int, head: list[int], vocab: int) -> torch.Tensor:
+        """Has the first layer's call embed the step's tokens (their rows of the embedding at address
+        `embed`, into the start buffers' streams) and the last one's run the head (`head`: the addresses of
+        PagedModel.head_kernel's padded mix weights, norm and bf16 head [vocab, hidden]), as
+        PagedModel.forward does around the layers; returns the logits [T, vocab] the last call writes."""
+        logits = torch.empty(self.tokens, vocab)
+        self.embed, self.head = embed, [*head, logits.data_ptr()]
         return logits
 
     @staticmethod
@@ -251,6 +250,9 @@ class DecodeStep:
         whether its tokens see compressed rows (the buffers' from an earlier step where those were the same),
         the count of the rows seen set in them: it grows by one every `ratio` tokens, and a p[] set built
         anew for each count took ~25 us in those steps."""
+        params = self._kind_params.get(layer.kind)  # (the step's, set by an earlier layer of the kind)
+        if params is not None:
+            return params
         ratio = layer.ratio
         if ratio is None:
             key, count = (layer.kind,), None
@@ -264,6 +266,7 @@ class DecodeStep:
             params = self._params[key] = cpu_layer.Params(layer.params(self))
         if count is not None:
             params.set(_ATTENTION_PARAMS, cpu_attention.DECODE_COUNT_AT, count)
+        self._kind_params[layer.kind] = params
         return params
 
 
@@ -329,12 +332,14 @@ class FusedLayer:
         self.floats = (ctypes.c_float * len(cpu_layer.FLOATS))(
             mix_constants["hc_eps"], mix_constants["norm_eps"], cfg.rms_norm_eps, softmax_scale(cfg),
             ffn.routing["routed_scaling_factor"], cfg.swiglu_limit, *store_eps)
-        # Layers of one kind share their kernels' p[] in a step: everything `params` reads of the layer
+        # Layers of one kind share their kernels' p[] in a step: everything `params` reads of the layer, as a
+        # number (a key of this tuple took ~1 us a layer to hash)
         pools_read = (self.window_pool, self.compressed_pool)
-        self.kind = (self.window, self.ratio, tuple(self.shapes.items()), tuple(self.moe.items()), tuple(self.routing.items()),
-                     tuple((ape.shape, state.stride(), column) for ape, state, column in self.feeds),
-                     tuple((c.width, c.dim, c.ratio, c.overlap, format_, cache.stride()) for c, cache, format_ in self.stores),
-                     tuple(None if pool is None else (pool.shape[1:], pool.stride()) for pool in pools_read))
+        kind = (self.window, self.ratio, tuple(self.shapes.items()), tuple(self.moe.items()), tuple(self.routing.items()),
+                tuple((ape.shape, state.stride(), column) for ape, state, column in self.feeds),
+                tuple((c.width, c.dim, c.ratio, c.overlap, format_, cache.stride()) for c, cache, format_ in self.stores),
+                tuple(None if pool is None else (pool.shape[1:], pool.stride()) for pool in pools_read))
+        self.kind = _KINDS.setdefault(kind, len(_KINDS))
 
     @staticmethod
     def usable(block, pools: StatePools, dtype: torch.dtype, mix: object) -> bool:

@@ -16,6 +16,7 @@ import torch
 
 from dsv4.config import WINDOW, ModelConfig
 from dsv4.kernels import cpu_mhc, cpu_project
+from dsv4.kernels.cpu_library import as_read
 from dsv4.memory.pools import StatePools
 
 from .attention import PagedAttention
@@ -64,6 +65,15 @@ class PagedModel:
         self.fused = [FusedLayer(cfg, i, block, pools, dtype, self.pieces.mix.keywords)
                       if FusedLayer.usable(block, pools, dtype, self.pieces.mix) else None
                       for i, block in enumerate(self.blocks)]
+        # Where every layer runs fused: the ratios whose indexers may select (`runs_fused`); the addresses of
+        # the embedding and the head's tensors that a step's first and last calls read
+        self._all_fused = all(fused is not None for fused in self.fused)
+        self._selecting = sorted({fused.ratio for fused in self.fused if fused is not None and fused.selects})
+        if self.head_kernel is not None:
+            weight, fn, base, scale, norm = self.head_kernel
+            self._embed_read = as_read(self.embed)  # (held: its address is read)
+            self._fused_ends = (self._embed_read.data_ptr(), [t.data_ptr() for t in (fn, base, scale, norm, weight)],
+                                weight.shape[0])
         kernels_read = {"projections": [w for block in self.blocks if block.attn.kernel_weights is not None
                                         for w in (*block.attn.kernel_weights, block.attn.index_kernel_weight)],
                         "experts": [w for block in self.blocks if block.ffn.kernel_weights is not None
@@ -81,7 +91,8 @@ class PagedModel:
     def runs_fused(self, plan: DecodePlan) -> bool:
         """Whether every layer of a step of `plan` runs as one C call: `forward` then takes the decode plan
         alone."""
-        return DecodeStep.takes(plan) and all(fused is not None and fused.serves(plan) for fused in self.fused)
+        return self._all_fused and DecodeStep.takes(plan) and all(
+            plan.compressed[ratio].pages.shape[1] <= self.cfg.index_topk for ratio in self._selecting)
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan | DecodePlan, on_selection: SelectionSink | None = None) -> torch.Tensor:
@@ -98,7 +109,7 @@ class PagedModel:
             buffers = self._decode_buffers(len(decode.token_ids))
             step = DecodeStep(decode, self.rope_tables, buffers)
             if plan is decode and self.head_kernel is not None:  # (every layer fused: the calls embed, and head)
-                logits = step.embed_and_head(self.embed, self.head_kernel)
+                logits = step.embed_and_head(*self._fused_ends)
                 residual = buffers.start
                 for fused in self.fused:
                     residual = fused(residual, step)

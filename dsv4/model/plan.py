@@ -161,12 +161,18 @@ class DecodePlanner:
     in ~170 as a DecodePlan built anew, in ~35 (median) with the kept parts; a step in which a window
     completes in ~60 us hot with its compressors' plan built anew, ~15 with it kept."""
 
-    MAX_KEPT = 512  # parts kept (then dropped all at once: batches change)
+    # Parts kept, by kind (each kind dropped all at once where it is full): the rows seen change as windows
+    # complete, and only the latest serve; the compressors' plans repeat with the phases, every one of the
+    # largest ratio's in a long request (at 512, shared with the rows, a c=1 request's plans of ratio 128
+    # were each built anew: ~20 us a step hot)
+    MAX_ROWS = 256
+    MAX_FEEDS = 1024
 
     def __init__(self, cfg: ModelConfig, page_size: int):
         self.page_size = page_size
         self.state_rows = {r: _state_rows(cfg, r) for r in sorted({r for r in cfg.compress_ratios if r})}
-        self._kept: dict[tuple, CompressedRows | CompressPlan] = {}
+        self._rows: dict[tuple, CompressedRows] = {}
+        self._feeds: dict[tuple, CompressPlan] = {}
 
     def plan(self, batch: ForwardBatch) -> DecodePlan | None:
         """The batch's decode plan; None where it is not such a batch."""
@@ -178,20 +184,21 @@ class DecodePlanner:
         pages = tuple(c.page_ids for c in batch.chunks)
         chunks = None  # (built where a part is not kept)
         compressed, compress = {}, {}
-        if len(self._kept) > self.MAX_KEPT:
-            self._kept.clear()
+        for kept, most in ((self._rows, self.MAX_ROWS), (self._feeds, self.MAX_FEEDS)):
+            if len(kept) >= most:
+                kept.clear()
         for ratio, state_rows in self.state_rows.items():
-            rows_key = ("rows", ratio, pages, tuple(end // ratio for end in ends))
+            rows_key = (ratio, pages, tuple(end // ratio for end in ends))
             completes = any(end % ratio == 0 for end in ends)
-            feed_key = ("feed", ratio, slots, tuple(end % ratio for end in ends),
+            feed_key = (ratio, slots, tuple(end % ratio for end in ends),
                         completes and tuple(end < state_rows for end in ends))  # (windows reaching before 0)
-            rows, feed = self._kept.get(rows_key), self._kept.get(feed_key)
+            rows, feed = self._rows.get(rows_key), self._feeds.get(feed_key)
             if rows is None or feed is None:
                 chunks = chunks or _Chunks.of(batch.chunks, self.page_size)
             if rows is None:
-                rows = self._kept[rows_key] = _compressed_rows(chunks, chunks.start[:, None], ratio)
+                rows = self._rows[rows_key] = _compressed_rows(chunks, chunks.start[:, None], ratio)
             if feed is None:
-                feed = self._kept[feed_key] = _decode_compress_plan(chunks, ratio, state_rows)
+                feed = self._feeds[feed_key] = _decode_compress_plan(chunks, ratio, state_rows)
             elif completes:
                 feed = _at_windows(feed, batch.chunks, ends, self.page_size)
             compressed[ratio], compress[ratio] = rows, feed

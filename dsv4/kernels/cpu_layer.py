@@ -16,8 +16,8 @@ import torch
 
 from .cpu_library import available, entry
 
-__all__ = ["BACK", "FLOATS", "FRONT", "PARAMS", "POINTERS", "WHOLE", "Calls", "Params", "available", "decode_layer",
-           "layer_params", "pointers", "scratch_bytes"]
+__all__ = ["BACK", "FLOATS", "FRONT", "PARAMS", "POINTERS", "STEP", "WHOLE", "Calls", "Params", "available",
+           "decode_layer", "layer_params", "pointers", "scratch_bytes"]
 
 # cpu/layer.c's ptr[] order: the residual; the attention's mix weights; its projections' weights and the
 # RoPE tables; the positions; two compressors' ape, state and plan rows; the attention's pools, rows and
@@ -46,12 +46,14 @@ FRONT, BACK, WHOLE = 1, 2, 3
 
 
 def layer_params(tokens: int, streams: int, hidden: int, width: int, q_rank: int, dim: int, heads: int,
-                 dtype: torch.dtype, window: torch.Tensor, feed_columns: Sequence[int], tiles: bool) -> tuple[int, ...]:
-    """The layer's p[] (cpu/layer.c's L_*): the shapes, the window pool's ring (uint8 [slots, W, row bytes])
-    and where each fed compressor's kv | gate columns start in the projected row."""
+                 dtype: torch.dtype, window: torch.Tensor, feed_columns: Sequence[int], tiles: bool,
+                 window_layer: bool) -> tuple[int, ...]:
+    """The layer's p[] (cpu/layer.c's L_*): the shapes, the window pool's ring (uint8 [slots, W, row bytes]),
+    where each fed compressor's kv | gate columns start in the projected row, and which RoPE tables of the
+    step (`Calls.run`'s) the layer reads: a window layer's, else a compressed one's."""
     columns = (*feed_columns, 0, 0)[:2]
     return (tokens, streams, hidden, width, q_rank, dim, heads, dtype == torch.float32, window.shape[1],
-            window.stride(0), window.stride(1), len(feed_columns), *columns, tiles)
+            window.stride(0), window.stride(1), len(feed_columns), *columns, tiles, not window_layer)
 
 
 class Params:
@@ -70,6 +72,11 @@ class Params:
         self.arrays[kernel][at] = value
 
 
+# The pointers of a step that `Calls.run` sets in every layer's call: the RoPE tables of a window layer and
+# of a compressed one, the positions (also the ring's), the slots and the token ids (cpu/layer.c's STEP_*)
+STEP = ("cos2_window", "sin2_window", "cos2_compressed", "sin2_compressed", "positions", "slots", "token_ids")
+
+
 class Calls:
     """Whole layers' calls queued to run as one (`run`: cpu/layer.c's decode_layers), in the order added:
     a step's Python prepares every layer's call in one stretch, between two of its kernels' runs."""
@@ -78,10 +85,11 @@ class Calls:
         self._pointers, self._params, self._floats = ((ctypes.c_void_p * capacity)() for _ in range(3))
         self._held: list = []  # (the arrays the queued addresses are of)
         self.count = 0
+        self.step = (ctypes.c_void_p * len(STEP))()  # (STEP order: the caller sets them before `run`)
 
     def add(self, pointers: ctypes.Array, params: Params, floats: ctypes.Array) -> None:
-        """Queues a layer's call: `pointers` as `pointers` makes them, `floats` in FLOATS order; the arrays
-        are read when the calls run, as they are then."""
+        """Queues a layer's call: `pointers` as `pointers` makes them (those of STEP are `step`'s), `floats` in
+        FLOATS order; the arrays are read when the calls run, as they are then."""
         if len(pointers) != len(POINTERS) or len(floats) != len(FLOATS):
             raise RuntimeError(f"cpu decode_layer: {len(POINTERS)} pointers and {len(FLOATS)} floats (got "
                                f"{len(pointers)}, {len(floats)})")
@@ -104,7 +112,8 @@ class Calls:
         if not count:
             return
         self.count, self._held = 0, []
-        status = entry("decode_layers")(count, self._pointers, self._params, self._floats, torch.get_num_threads())
+        status = entry("decode_layers")(count, self._pointers, self._params, self._floats, self.step,
+                                        torch.get_num_threads())
         del held
         if status != 0:
             raise MemoryError(f"cpu decode_layers: a kernel could not allocate its scratch memory ({status})")

@@ -50,7 +50,7 @@ _SIGNATURES = {
     "compressor_store": [_POINTER] * 7 + [_PARAMS, ctypes.c_float, ctypes.c_int],
     "compressor_feed": [_POINTER] * 11 + [_PARAMS],
     "decode_layer": [_POINTER] * 3 + [ctypes.c_int, ctypes.c_int],
-    "decode_layers": [ctypes.c_int64] + [_POINTER] * 3 + [ctypes.c_int],
+    "decode_layers": [ctypes.c_int64] + [_POINTER] * 4 + [ctypes.c_int],
     "decode_layer_scratch": [_PARAMS],
     "amx_ready": [],
 }

@@ -161,7 +161,8 @@ class DecodeStep:
         self.slots = as_read(plan.slots, torch.int64)
         self._held: list = []  # (what the addresses given to the calls point into)
         # By kind of layer: the addresses of its RoPE tables (cos2, sin2 [T, width] fp32) and their width
-        self.tables = {window: self._rope_rows(tables, plan) for window, tables in rope_tables.items()}
+        one = plan.last_position if self.tokens == 1 else None
+        self.tables = {window: self._rope_rows(tables, plan.positions, one) for window, tables in rope_tables.items()}
         # By ratio: the compressed rows each token sees, and how the compressors advance
         self.seen = {ratio: buffers.read(rows, _Seen.of) for ratio, rows in plan.compressed.items()}
         self.compress = plan.compress
@@ -179,6 +180,9 @@ class DecodeStep:
         # compressed one's): the tables, positions, slots, positions again (the ring's) and token ids
         addresses = [t.data_ptr() for t in (self.positions, self.slots, self.positions, self.token_ids)]
         self.pointers = {window: [cos2, sin2, *addresses] for window, (cos2, sin2, _) in self.tables.items()}
+        # (the queue's run sets them in every call: cpu_layer.STEP)
+        ropes = [self.tables.get(window, (None, None))[:2] for window in (True, False)]
+        self._calls.step[:] = [*ropes[0], *ropes[1], *addresses[:2], addresses[3]]
 
     def run_layers(self) -> None:
         """Runs the layers' calls queued so far (a layer's call is queued, not run: `FusedLayer.__call__`), as
@@ -190,18 +194,18 @@ class DecodeStep:
         self._calls.add(pointers, params, floats)
         self._held += held
 
-    def _rope_rows(self, tables: RopeTables, plan: DecodePlan) -> tuple[int, int, int]:
-        """The addresses of the RoPE tables (cos2, sin2 [T, width] fp32) at the step's positions, and their
-        width: a token's rows in the kept tables where there is one (address arithmetic: the tensor ops of a
-        Rope of one row, ~5 us a kind, took ~4 times that in situ, their caches cold from the weights'
-        stream), else the tables at the positions (RopeTables.at)."""
-        table = tables.table(plan.last_position) if self.tokens == 1 else None
+    def _rope_rows(self, tables: RopeTables, positions: torch.Tensor, one: int | None) -> tuple[int, int, int]:
+        """The addresses of the RoPE tables (cos2, sin2 [n, width] fp32) at `positions` [n], and their width:
+        where there is `one` position, its rows in the kept tables (address arithmetic: the tensor ops of a
+        Rope of one row, ~5 us, took ~4 times that in situ, their caches cold from the weights' stream), else
+        the tables at the positions (RopeTables.at)."""
+        table = None if one is None else tables.table(one)
         if table is not None and table.cos2.dtype == torch.float32:
             self._held.append(table)
             cos2, sin2 = table.cos2, table.sin2
-            row = plan.last_position * cos2.stride(0) * cos2.element_size()  # (both contiguous, of one shape)
+            row = one * cos2.stride(0) * cos2.element_size()  # (both contiguous, of one shape)
             return cos2.data_ptr() + row, sin2.data_ptr() + row, cos2.shape[-1]
-        rope = tables.at(plan.positions)
+        rope = tables.at(positions)
         cos2, sin2 = as_read(rope.cos2, torch.float32), as_read(rope.sin2, torch.float32)
         self._held += [cos2, sin2]
         return cos2.data_ptr(), sin2.data_ptr(), cos2.shape[-1]
@@ -224,11 +228,13 @@ class DecodeStep:
         the windows of `ratio` that complete in the step, as a layer's call stores them."""
         pointers = self._new_rows.get(ratio)
         if pointers is None:
-            rope, compress = self.window_rope(ratio), self.compress[ratio]
-            held = [as_read(rope.cos2, torch.float32), as_read(rope.sin2, torch.float32),
-                    as_read(compress.window_pages, torch.int64), as_read(compress.window_page_rows, torch.int64)]
-            pointers = self._new_rows[ratio] = [t.data_ptr() for t in held]
-            self._held.extend(held)
+            compress = self.compress[ratio]
+            first = compress.window_positions.tolist()
+            cos2, sin2, _ = self._rope_rows(self._compressed_rope, compress.window_positions,
+                                            first[0] if len(first) == 1 else None)
+            places = [as_read(compress.window_pages, torch.int64), as_read(compress.window_page_rows, torch.int64)]
+            pointers = self._new_rows[ratio] = [cos2, sin2, *(t.data_ptr() for t in places)]
+            self._held.extend(places)
         return pointers
 
     def embed_and_head(self, embed: int, head: list[int], vocab: int) -> torch.Tensor:
@@ -327,6 +333,7 @@ class FusedLayer:
         # What `pointers` holds from the last call (None: not set): its residual in and out, the compressed
         # rows seen and the feeds' plan rows
         self._bound: list = [None] * 4
+        self._storing = False  # (whether `pointers` holds stores: `_set_stores`)
         self.mix_constants = mix_constants
         store_eps = [compressor.norm_eps for compressor, _, _ in self.stores] + [0.0] * (2 - len(self.stores))
         self.floats = (ctypes.c_float * len(cpu_layer.FLOATS))(
@@ -372,7 +379,8 @@ class FusedLayer:
         feeds += [(0,)] * (2 - len(feeds))
         stores += [(0,)] * (2 - len(stores))
         return [cpu_layer.layer_params(T, n, hidden, s["width"], s["q_rank"], s["dim"], s["heads"], dtype,
-                                       self.window_pool, [column for _, _, column in self.feeds], moe["tiles"]),
+                                       self.window_pool, [column for _, _, column in self.feeds], moe["tiles"],
+                                       self.window),
                 cpu_mhc.mix_params(T, n, hidden, self.mix_constants["sinkhorn_iters"], dtype),
                 cpu_project.project_params(T, hidden, s["width"], s["q_rank"], s["dim"], s["heads"], rope, dtype),
                 *feeds,
@@ -401,16 +409,15 @@ class FusedLayer:
                 pointers[at] = tensor.data_ptr()
             own = all(a is b for a, b in zip(inputs, residual, strict=True))  # (not copies made for this call)
             self._bound[:2] = (residual, out) if own else (None, None)
-        for at, address in zip(_STEP, step.pointers[self.window], strict=True):
-            pointers[at] = address
-        pointers[_SCRATCH] = None
         if self.layer == 0:
             pointers[_EMBED] = step.embed
         if self.layer == self.cfg.num_layers - 1:
             for at, address in zip(_HEAD, step.head or [None] * len(_HEAD), strict=True):
                 pointers[at] = address
-        for norm, cache in _STORES:  # (no store unless windows complete)
-            pointers[norm] = pointers[cache] = None
+        if self._storing:  # (no store unless windows complete)
+            for norm, cache in _STORES:
+                pointers[norm] = pointers[cache] = None
+            self._storing = False
         if self.ratio is not None:
             seen, feed = step.seen[self.ratio], step.feeds[self.ratio]
             if self._bound[2] is not seen:
@@ -450,6 +457,7 @@ class FusedLayer:
             pointers[at] = address
         for at, address in zip(_NEW_ROWS, step.new_rows(self.ratio), strict=True):
             pointers[at] = address
+        self._storing = True
 
     def _around_new_rows(self, pointers: ctypes.Array, step: DecodeStep, slots: list[torch.Tensor]) -> None:
         """The layer's call in two phases around its compressors' storing of the rows of the windows that
@@ -457,6 +465,8 @@ class FusedLayer:
         attention reads them."""
         params = step.params(self)
         scratch = torch.empty(cpu_layer.scratch_bytes(params), dtype=torch.uint8)
+        for at, address in zip(_STEP, step.pointers[self.window], strict=True):  # (the queue's run sets them)
+            pointers[at] = address
         pointers[_SCRATCH] = scratch.data_ptr()
         cpu_layer.decode_layer(pointers, params, self.floats, phases=cpu_layer.FRONT)
         compress, rope = step.compress[self.ratio], step.window_rope(self.ratio)
@@ -465,4 +475,5 @@ class FusedLayer:
         if self.selects:  # (the index keys', as PagedAttention records them)
             self.pools.record_index_keys(self.layer, compress.window_pages, compress.window_page_rows)
         cpu_layer.decode_layer(pointers, params, self.floats, phases=cpu_layer.BACK)
+        pointers[_SCRATCH] = None
 

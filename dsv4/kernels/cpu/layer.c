@@ -22,7 +22,9 @@
  * calls around its storing instead: phase FRONT (the mix, the projections and the feeds), then BACK (the
  * rest), the intermediates kept between them in the caller's scratch (decode_layer_scratch bytes). Each
  * kernel runs its own parallel region, as when called alone. decode_layers runs a step's layers' calls one
- * after another, so that the caller prepares them all in one stretch of Python. */
+ * after another, so that the caller prepares them all in one stretch of Python, each with the step's
+ * inputs that every layer reads (its RoPE tables by the layer's kind, the positions, slots and token ids)
+ * from one array, not set in each layer's own. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -79,9 +81,13 @@ enum { P_LAYER, P_MIX, P_PROJECT, P_FEED_0, P_FEED_1, P_ATTENTION, P_EXIT, P_ROU
        P_LOGITS, PARAM_COUNT };
 /* the layer's p[]: tokens, streams, hidden size, w_input's rows, q_lora_rank, head_dim, heads, fp32 (else
  * bf16), the window W, the ring's slot and row strides (bytes), compressors fed (0..2), where each one's
- * kv | gate columns start in the projected row, whether the MoE runs on AMX tiles */
+ * kv | gate columns start in the projected row, whether the MoE runs on AMX tiles, which of a step's RoPE
+ * tables the layer reads (decode_layers' step[]: 0 a window layer's, 1 a compressed one's) */
 enum { L_TOKENS, L_STREAMS, L_HIDDEN, L_WIDTH, L_Q_RANK, L_DIM, L_HEADS, L_FP32, L_W, L_SLOT_STRIDE, L_RING_ROW,
-       L_FEEDS, L_FEED_COLUMN_0, L_FEED_COLUMN_1, L_TILES, L_COUNT };
+       L_FEEDS, L_FEED_COLUMN_0, L_FEED_COLUMN_1, L_TILES, L_ROPE, L_COUNT };
+/* decode_layers' step[]: the RoPE tables (cos2, sin2) of a window layer, then of a compressed one, the
+ * positions, the slots, the token ids */
+enum { STEP_COS2, STEP_SIN2, STEP_POSITIONS = 4, STEP_SLOTS, STEP_TOKEN_IDS, STEP_COUNT };
 enum { FRONT = 1, BACK = 2 }; /* `phases`: which of them a call runs */
 /* f[]: the mixes' hc_eps and norm eps, the projections' norm eps, the attention's scale, the MoE's
  * routed scaling factor and SwiGLU limit, the stores' norm eps */
@@ -184,12 +190,18 @@ int decode_layer(void *const *ptr, const int64_t *const *params, const float *f,
   return status;
 }
 
-/* `count` whole layers' calls, each as decode_layer takes it, one after another; stops at the first that
- * fails (its status) */
+/* `count` whole layers' calls, each as decode_layer takes it but for the pointers step[] gives (STEP_*),
+ * one after another; stops at the first that fails (its status) */
 int decode_layers(int64_t count, void *const *const *ptrs, const int64_t *const *const *params,
-                  const float *const *floats, int threads) {
+                  const float *const *floats, void *const *step, int threads) {
+  void *mine[POINTER_COUNT];
   for (int64_t i = 0; i < count; i++) {
-    const int status = decode_layer(ptrs[i], params[i], floats[i], FRONT | BACK, threads);
+    memcpy(mine, ptrs[i], sizeof mine);
+    const int64_t rope = 2 * params[i][P_LAYER][L_ROPE];
+    mine[COS2] = step[STEP_COS2 + rope], mine[SIN2] = step[STEP_SIN2 + rope];
+    mine[POSITIONS] = mine[AT] = step[STEP_POSITIONS];
+    mine[SLOTS] = step[STEP_SLOTS], mine[TOKEN_IDS] = step[STEP_TOKEN_IDS];
+    const int status = decode_layer(mine, params[i], floats[i], FRONT | BACK, threads);
     if (status) return status;
   }
   return 0;

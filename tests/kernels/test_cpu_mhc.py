@@ -52,8 +52,11 @@ def test_matches_mix(tokens, n, hidden, dtype, spread):
             assert (g.double() - e).abs().max().item() <= 4 * (w.double() - e).abs().max().item() + 1e-6 * size, name
 
 
-def test_one_thread_equals_two():
-    args = inputs_of(3, 37, 4, 512, torch.bfloat16)
+@pytest.mark.parametrize("tokens,dtype", [(37, torch.bfloat16), (1, torch.float32), (3, torch.bfloat16)])
+def test_one_thread_equals_two(tokens, dtype):
+    """The same bits on one thread and on two: with fewer groups of four tokens than threads (1 and 3
+    tokens on two), the two split the mixes' logits by blocks of mixes, where one takes whole groups."""
+    args = inputs_of(3, tokens, 4, 512, dtype)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

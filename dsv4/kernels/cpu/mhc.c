@@ -8,7 +8,8 @@
  * at once (for n = 4, the model's; scalar code for other n).
  *
  * Tokens are split over torch's OpenMP team (see attention.c) in groups of GROUP, which share each load
- * of the mixing projection `fn` (it is read from the cache once per group rather than once per token). */
+ * of the mixing projection `fn` (it is read from the cache once per group rather than once per token);
+ * with fewer groups than threads, the team splits each step instead (mhc_mix). */
 
 #include <immintrin.h>
 #include <math.h>
@@ -77,113 +78,160 @@ static void sinkhorn(float *c, int n, int iters, float eps) {
   }
 }
 
+/* A token's new streams (new stream j = post_j * output + sum_i comb[i][j] * stream i, stored in the
+ * streams' dtype), and as read back, RMS-normalised over all n * H, into `normed` [n * H] (as
+ * stream_mixes rounds: normalised first) */
+static inline __attribute__((always_inline)) void expand(const void *streams, const void *output, const float *post, const float *comb, void *streams_out,
+                   float *normed, int64_t token, int64_t n, int64_t hidden, int bf16, float norm_eps) {
+  const int64_t width = n * hidden;
+  const float *token_post = post + token * n, *token_comb = comb + token * n * n;
+  for (int64_t h = 0; h < hidden; h += 16) {
+    const __mmask16 m = first_lanes(hidden - h);
+    __m512 old[MAX_STREAMS];
+    for (int64_t i = 0; i < n; i++) old[i] = load_row(streams, (token * n + i) * hidden + h, bf16, m);
+    const __m512 out = load_row(output, token * hidden + h, bf16, m);
+    for (int64_t j = 0; j < n; j++) {
+      __m512 mixed = _mm512_mul_ps(_mm512_set1_ps(token_comb[j]), old[0]);
+      for (int64_t i = 1; i < n; i++) mixed = _mm512_add_ps(mixed, _mm512_mul_ps(_mm512_set1_ps(token_comb[i * n + j]), old[i]));
+      const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(token_post[j]), out), mixed);
+      _mm512_mask_storeu_ps(normed + j * hidden + h, m, store_row(streams_out, (token * n + j) * hidden + h, bf16, m, v));
+    }
+  }
+  const __m512 r = _mm512_set1_ps(1.0f / sqrtf(sum_squares(normed, width) / (float)width + norm_eps));
+  for (int64_t i = 0; i < width; i += 16) {
+    const __mmask16 m = first_lanes(width - i);
+    _mm512_mask_storeu_ps(normed + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, normed + i), r));
+  }
+}
+
+/* Mixes k0 .. k0 + MIX_BLOCK - 1's logits (base + scale * fn @ normed) of `count` <= GROUP tokens (`rows`:
+ * their normed streams) into logits[t][k]: GROUP tokens' sums in registers, each load shared by four sums
+ * (a short group repeats its last token and a short block its last mix, whose sums are dropped) */
+static inline __attribute__((always_inline)) void mix_block(const float *fn, const float *base, const float *scale, const float *const *rows, int64_t count,
+                      int k0, int mixes, int64_t width, float (*logits)[MAX_MIXES]) {
+  const float *weights[MIX_BLOCK], *x_rows[GROUP];
+  for (int b = 0; b < MIX_BLOCK; b++) weights[b] = fn + (int64_t)(k0 + b < mixes ? k0 + b : mixes - 1) * width;
+  for (int t = 0; t < GROUP; t++) x_rows[t] = rows[t < count ? t : count - 1];
+  __m512 acc[MIX_BLOCK][GROUP];
+  for (int b = 0; b < MIX_BLOCK; b++)
+    for (int t = 0; t < GROUP; t++) acc[b][t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < width; i += 16) {
+    const __mmask16 m = first_lanes(width - i);
+    __m512 x[GROUP];
+    for (int t = 0; t < GROUP; t++) x[t] = _mm512_maskz_loadu_ps(m, x_rows[t] + i);
+    for (int b = 0; b < MIX_BLOCK; b++) {
+      const __m512 w = _mm512_maskz_loadu_ps(m, weights[b] + i);
+      for (int t = 0; t < GROUP; t++) acc[b][t] = _mm512_fmadd_ps(w, x[t], acc[b][t]);
+    }
+  }
+  float sums[MIX_BLOCK][GROUP];
+  for (int b = 0; b < MIX_BLOCK; b++)
+    for (int t = 0; t < GROUP; t++) sums[b][t] = _mm512_reduce_add_ps(acc[b][t]);
+  for (int b = 0; b < MIX_BLOCK && k0 + b < mixes; b++)
+    for (int64_t t = 0; t < count; t++) logits[t][k0 + b] = base[k0 + b] + sums[b][t] * scale[k0 + b];
+}
+
+/* A group's `count` tokens from their mixes' logits: the gates, the Sinkhorn-normalised comb, and the
+ * collapse x = sum_i pre_i * stream i (of the new streams as stored), RMS-normed; `scratch` [count][H] */
+static inline __attribute__((always_inline)) void finish_group(float (*logits)[MAX_MIXES], int64_t first, int64_t count, const void *streams_out,
+                         const float *norm, void *x_out, float *post_out, float *comb_out, float *scratch, int64_t n,
+                         int64_t hidden, int iters, int bf16, float hc_eps, float norm_eps) {
+  if (n == 4) { /* (a short group's spare matrices: its last token's, computed twice, stored once) */
+    float *combs[GROUP];
+    for (int t = 0; t < GROUP; t++) combs[t] = logits[t < count ? t : count - 1] + 2 * n;
+    sinkhorn4(combs, iters, hc_eps);
+  }
+  for (int64_t t = 0; t < count; t++) {
+    const int64_t token = first + t;
+    float pre[MAX_STREAMS];
+    for (int64_t i = 0; i < n; i++) {
+      pre[i] = sigmoid(logits[t][i]) + hc_eps;
+      post_out[token * n + i] = sigmoid(logits[t][n + i]) * 2.0f;
+    }
+    if (n != 4) sinkhorn(logits[t] + 2 * n, (int)n, iters, hc_eps);
+    for (int64_t k = 0; k < n * n; k++) comb_out[token * n * n + k] = logits[t][2 * n + k];
+    float *x = scratch + t * hidden; /* x as rounded into the streams' dtype */
+    for (int64_t h = 0; h < hidden; h += 16) {
+      const __mmask16 m = first_lanes(hidden - h);
+      __m512 sum = _mm512_mul_ps(_mm512_set1_ps(pre[0]), load_row(streams_out, token * n * hidden + h, bf16, m));
+      for (int64_t i = 1; i < n; i++)
+        sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_set1_ps(pre[i]), load_row(streams_out, (token * n + i) * hidden + h, bf16, m)));
+      _mm512_mask_storeu_ps(x + h, m, round_row(sum, bf16));
+    }
+    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(sum_squares(x, hidden) / (float)hidden + norm_eps));
+    for (int64_t h = 0; h < hidden; h += 16) {
+      const __mmask16 m = first_lanes(hidden - h);
+      const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + h), r), _mm512_maskz_loadu_ps(m, norm + h));
+      store_row(x_out, token * hidden + h, bf16, m, v);
+    }
+  }
+}
+
 /* streams [T, n, H] and output [T, H] (the streams' dtype), post [T, n] and comb [T, n, n] fp32; the
  * sublayer's fn [(2 + n) * n, n * H], base and scale [(2 + n) * n], norm [H], all fp32 -> new streams,
- * the sublayer's normed input x [T, H] (the streams' dtype), its post and comb (fp32). */
+ * the sublayer's normed input x [T, H] (the streams' dtype), its post and comb (fp32).
+ * With at least as many groups of GROUP tokens as threads, each thread takes whole groups, every step of
+ * a group while its streams are in cache. With fewer (a decode step of a few tokens), the team takes the
+ * steps in turn, the mixes' logits split by blocks of mixes: one thread alone read all of fn (196 KB a
+ * mix of `small`) at one core's pace, ~9 of a c=1 mix's ~12 us. Both compute every value alike. */
 int mhc_mix(const void *streams, const void *output, const float *post, const float *comb, const float *fn,
             const float *base, const float *scale, const float *norm, void *streams_out, void *x_out,
             float *post_out, float *comb_out, const int64_t *p, float hc_eps, float norm_eps, int threads) {
   const int64_t tokens = p[M_TOKENS], n = p[M_STREAMS], hidden = p[M_HIDDEN], width = n * hidden;
   const int iters = (int)p[M_ITERS], bf16 = (int)p[M_BF16], mixes = (int)((2 + n) * n);
-  const int64_t groups = (tokens + GROUP - 1) / GROUP;
+  const int64_t groups = (tokens + GROUP - 1) / GROUP, blocks = (mixes + MIX_BLOCK - 1) / MIX_BLOCK;
   if (n > MAX_STREAMS) return 2;
-  float *scratch = malloc(sizeof(float) * GROUP * width * (threads > 0 ? threads : 1));
-  if (!scratch) return 1;
+  if (threads < 1) threads = 1;
+  const int split = groups < threads;
+  /* grouped: each thread's [GROUP][n * H] normed streams and logits; split: every token's */
+  const int64_t rows = split ? tokens : (int64_t)threads * GROUP;
+  float *normed = malloc(sizeof(float) * rows * width);
+  float (*logits)[MAX_MIXES] = malloc(sizeof(float) * rows * MAX_MIXES);
+  if (!normed || !logits) {
+    free(normed), free(logits);
+    return 1;
+  }
+  if (split) {
 #pragma omp parallel num_threads(threads)
-  {
-    float *normed = scratch + (int64_t)omp_get_thread_num() * GROUP * width; /* [GROUP][n * H] */
+    {
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-      const int64_t first = g * GROUP, count = tokens - first < GROUP ? tokens - first : GROUP;
-      float logits[GROUP][MAX_MIXES];
-      /* expand: new stream j = post_j * output + sum_i comb[i][j] * stream i, kept as stored */
-      for (int64_t t = 0; t < count; t++) {
-        const int64_t token = first + t;
-        const float *token_post = post + token * n, *token_comb = comb + token * n * n;
-        float *mine = normed + t * width;
-        for (int64_t h = 0; h < hidden; h += 16) {
-          const __mmask16 m = first_lanes(hidden - h);
-          __m512 old[MAX_STREAMS];
-          for (int64_t i = 0; i < n; i++) old[i] = load_row(streams, (token * n + i) * hidden + h, bf16, m);
-          const __m512 out = load_row(output, token * hidden + h, bf16, m);
-          for (int64_t j = 0; j < n; j++) {
-            __m512 mixed = _mm512_mul_ps(_mm512_set1_ps(token_comb[j]), old[0]);
-            for (int64_t i = 1; i < n; i++)
-              mixed = _mm512_add_ps(mixed, _mm512_mul_ps(_mm512_set1_ps(token_comb[i * n + j]), old[i]));
-            const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(token_post[j]), out), mixed);
-            _mm512_mask_storeu_ps(mine + j * hidden + h, m,
-                                  store_row(streams_out, (token * n + j) * hidden + h, bf16, m, v));
-          }
-        }
+      for (int64_t token = 0; token < tokens; token++)
+        expand(streams, output, post, comb, streams_out, normed + token * width, token, n, hidden, bf16, norm_eps);
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < groups * blocks; item++) {
+        const int64_t g = item / blocks, first = g * GROUP, count = tokens - first < GROUP ? tokens - first : GROUP;
+        const float *group_rows[GROUP];
+        for (int64_t t = 0; t < count; t++) group_rows[t] = normed + (first + t) * width;
+        mix_block(fn, base, scale, group_rows, count, (int)(item % blocks * MIX_BLOCK), mixes, width, logits + first);
       }
-      /* the mixes' logits: fn @ the RMS-normalised streams (normalised first, as stream_mixes rounds) */
-      for (int64_t t = 0; t < count; t++) {
-        float *mine = normed + t * width;
-        const __m512 r = _mm512_set1_ps(1.0f / sqrtf(sum_squares(mine, width) / (float)width + norm_eps));
-        for (int64_t i = 0; i < width; i += 16) {
-          const __mmask16 m = first_lanes(width - i);
-          _mm512_mask_storeu_ps(mine + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, mine + i), r));
-        }
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < groups; g++) {
+        const int64_t first = g * GROUP, count = tokens - first < GROUP ? tokens - first : GROUP;
+        finish_group(logits + first, first, count, streams_out, norm, x_out, post_out, comb_out,
+                     normed + first * width, n, hidden, iters, bf16, hc_eps, norm_eps);
       }
-      /* GROUP tokens by MIX_BLOCK mixes of sums in registers, each load shared by four sums (a short group
-       * repeats its last token and a short block its last mix, whose sums are dropped) */
-      const float *rows[GROUP];
-      for (int t = 0; t < GROUP; t++) rows[t] = normed + (t < count ? t : count - 1) * width;
-      for (int k0 = 0; k0 < mixes; k0 += MIX_BLOCK) {
-        const float *weights[MIX_BLOCK];
-        for (int b = 0; b < MIX_BLOCK; b++) weights[b] = fn + (int64_t)(k0 + b < mixes ? k0 + b : mixes - 1) * width;
-        __m512 acc[MIX_BLOCK][GROUP];
-        for (int b = 0; b < MIX_BLOCK; b++)
-          for (int t = 0; t < GROUP; t++) acc[b][t] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < width; i += 16) {
-          const __mmask16 m = first_lanes(width - i);
-          __m512 x[GROUP];
-          for (int t = 0; t < GROUP; t++) x[t] = _mm512_maskz_loadu_ps(m, rows[t] + i);
-          for (int b = 0; b < MIX_BLOCK; b++) {
-            const __m512 w = _mm512_maskz_loadu_ps(m, weights[b] + i);
-            for (int t = 0; t < GROUP; t++) acc[b][t] = _mm512_fmadd_ps(w, x[t], acc[b][t]);
-          }
+    }
+  } else {
+#pragma omp parallel num_threads(threads)
+    {
+      float *mine = normed + (int64_t)omp_get_thread_num() * GROUP * width;
+      float (*my_logits)[MAX_MIXES] = logits + omp_get_thread_num() * GROUP;
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < groups; g++) {
+        const int64_t first = g * GROUP, count = tokens - first < GROUP ? tokens - first : GROUP;
+        const float *group_rows[GROUP];
+        for (int64_t t = 0; t < count; t++) {
+          expand(streams, output, post, comb, streams_out, mine + t * width, first + t, n, hidden, bf16, norm_eps);
+          group_rows[t] = mine + t * width;
         }
-        float sums[MIX_BLOCK][GROUP];
-        for (int b = 0; b < MIX_BLOCK; b++)
-          for (int t = 0; t < GROUP; t++) sums[b][t] = _mm512_reduce_add_ps(acc[b][t]);
-        for (int b = 0; b < MIX_BLOCK && k0 + b < mixes; b++)
-          for (int64_t t = 0; t < count; t++) logits[t][k0 + b] = base[k0 + b] + sums[b][t] * scale[k0 + b];
-      }
-      if (n == 4) { /* (a short group's spare matrices: its last token's, computed twice, stored once) */
-        float *combs[GROUP];
-        for (int t = 0; t < GROUP; t++) combs[t] = logits[t < count ? t : count - 1] + 2 * n;
-        sinkhorn4(combs, iters, hc_eps);
-      }
-      /* gates and comb, then the collapse: x = sum_i pre_i * stream i, RMS-normed */
-      for (int64_t t = 0; t < count; t++) {
-        const int64_t token = first + t;
-        float pre[MAX_STREAMS];
-        for (int64_t i = 0; i < n; i++) {
-          pre[i] = sigmoid(logits[t][i]) + hc_eps;
-          post_out[token * n + i] = sigmoid(logits[t][n + i]) * 2.0f;
-        }
-        if (n != 4) sinkhorn(logits[t] + 2 * n, (int)n, iters, hc_eps);
-        for (int64_t k = 0; k < n * n; k++) comb_out[token * n * n + k] = logits[t][2 * n + k];
-        /* the streams as stored, again (`normed` now holds them normalised) */
-        float *x = normed + t * width; /* its first H floats: x as rounded into the streams' dtype */
-        for (int64_t h = 0; h < hidden; h += 16) {
-          const __mmask16 m = first_lanes(hidden - h);
-          __m512 sum = _mm512_mul_ps(_mm512_set1_ps(pre[0]), load_row(streams_out, token * n * hidden + h, bf16, m));
-          for (int64_t i = 1; i < n; i++)
-            sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_set1_ps(pre[i]),
-                                                   load_row(streams_out, (token * n + i) * hidden + h, bf16, m)));
-          _mm512_mask_storeu_ps(x + h, m, round_row(sum, bf16));
-        }
-        const __m512 r = _mm512_set1_ps(1.0f / sqrtf(sum_squares(x, hidden) / (float)hidden + norm_eps));
-        for (int64_t h = 0; h < hidden; h += 16) {
-          const __mmask16 m = first_lanes(hidden - h);
-          const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + h), r), _mm512_maskz_loadu_ps(m, norm + h));
-          store_row(x_out, token * hidden + h, bf16, m, v);
-        }
+        for (int k0 = 0; k0 < mixes; k0 += MIX_BLOCK)
+          mix_block(fn, base, scale, group_rows, count, k0, mixes, width, my_logits);
+        finish_group(my_logits, first, count, streams_out, norm, x_out, post_out, comb_out, mine, n, hidden, iters,
+                     bf16, hc_eps, norm_eps);
       }
     }
   }
-  free(scratch);
+  free(normed);
+  free(logits);
   return 0;
 }

@@ -173,6 +173,21 @@ class DecodePlanner:
         self.state_rows = {r: _state_rows(cfg, r) for r in sorted({r for r in cfg.compress_ratios if r})}
         self._rows: dict[tuple, CompressedRows] = {}
         self._feeds: dict[tuple, CompressPlan] = {}
+        self._empty: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (`_state_writes`)
+
+    def _state_writes(self, ratio: int, state_rows: int, slots: tuple[int, ...], ends: list[int]) -> CompressPlan:
+        """`_decode_compress_plan` of chunks of `slots` whose tokens end at `ends`, none of them a window's:
+        each token's row goes to its state, at row lookback + its position's phase. From the slots and
+        phases alone (the plan of ratio 128 differs at every step of a request: as NumPy arrays of the
+        chunks, ~13 us hot and ~50 in situ)."""
+        lookback = state_rows - ratio
+        empty = self._empty.get(state_rows)
+        if empty is None:
+            empty = self._empty[state_rows] = (_tensor(np.zeros(0, dtype=np.int64)),
+                                               _tensor(np.zeros((0, state_rows), dtype=np.int64)))
+        none, no_windows = empty
+        return CompressPlan(ratio, none, none, no_windows, none, none, none, _tensor(slots),
+                            _tensor([(end - 1) % ratio + lookback for end in ends]), _tensor(range(len(slots))))
 
     def plan(self, batch: ForwardBatch) -> DecodePlan | None:
         """The batch's decode plan; None where it is not such a batch."""
@@ -193,6 +208,8 @@ class DecodePlanner:
             feed_key = (ratio, slots, tuple(end % ratio for end in ends),
                         completes and tuple(end < state_rows for end in ends))  # (windows reaching before 0)
             rows, feed = self._rows.get(rows_key), self._feeds.get(feed_key)
+            if feed is None and not completes:
+                feed = self._feeds[feed_key] = self._state_writes(ratio, state_rows, slots, ends)
             if rows is None or feed is None:
                 chunks = chunks or _Chunks.of(batch.chunks, self.page_size)
             if rows is None:

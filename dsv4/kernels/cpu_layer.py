@@ -16,7 +16,7 @@ import torch
 
 from .cpu_library import available, entry
 
-__all__ = ["BACK", "FLOATS", "FRONT", "PARAMS", "POINTERS", "STEP", "WHOLE", "Calls", "Params", "available",
+__all__ = ["BACK", "FLOATS", "FRONT", "PARAMS", "POINTERS", "RATIO", "STEP", "WHOLE", "Calls", "Params", "available",
            "decode_layer", "layer_params", "pointers", "scratch_bytes"]
 
 # cpu/layer.c's ptr[] order: the residual; the attention's mix weights; its projections' weights and the
@@ -47,13 +47,14 @@ FRONT, BACK, WHOLE = 1, 2, 3
 
 def layer_params(tokens: int, streams: int, hidden: int, width: int, q_rank: int, dim: int, heads: int,
                  dtype: torch.dtype, window: torch.Tensor, feed_columns: Sequence[int], tiles: bool,
-                 window_layer: bool) -> tuple[int, ...]:
+                 window_layer: bool, ratio_index: int) -> tuple[int, ...]:
     """The layer's p[] (cpu/layer.c's L_*): the shapes, the window pool's ring (uint8 [slots, W, row bytes]),
-    where each fed compressor's kv | gate columns start in the projected row, and which RoPE tables of the
-    step (`Calls.run`'s) the layer reads: a window layer's, else a compressed one's."""
+    where each fed compressor's kv | gate columns start in the projected row, which RoPE tables of the
+    step (`Calls.step`) the layer reads (a window layer's, else a compressed one's) and which ratio's
+    parts (its place among the step's; -1: none)."""
     columns = (*feed_columns, 0, 0)[:2]
     return (tokens, streams, hidden, width, q_rank, dim, heads, dtype == torch.float32, window.shape[1],
-            window.stride(0), window.stride(1), len(feed_columns), *columns, tiles, not window_layer)
+            window.stride(0), window.stride(1), len(feed_columns), *columns, tiles, not window_layer, ratio_index)
 
 
 class Params:
@@ -73,19 +74,25 @@ class Params:
 
 
 # The pointers of a step that `Calls.run` sets in every layer's call: the RoPE tables of a window layer and
-# of a compressed one, the positions (also the ring's), the slots and the token ids (cpu/layer.c's STEP_*)
+# of a compressed one, the positions (also the ring's), the slots and the token ids (cpu/layer.c's STEP_*);
+# then RATIO for each ratio, in the order of the layers' ratio_index: the compressed rows seen (None where no
+# token sees one yet) and the compressors' plan rows (cpu/layer.c's RATIO_*)
 STEP = ("cos2_window", "sin2_window", "cos2_compressed", "sin2_compressed", "positions", "slots", "token_ids")
+RATIO = ("pages", "page_rows", "exists", "allowed", "state_slots", "state_rows", "update_slots", "update_rows",
+         "update_sources", "window_sources")
 
 
 class Calls:
     """Whole layers' calls queued to run as one (`run`: cpu/layer.c's decode_layers), in the order added:
     a step's Python prepares every layer's call in one stretch, between two of its kernels' runs."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, ratios: int):
+        """`capacity`: the most calls queued; `ratios`: the parts of how many ratios `step` holds."""
         self._pointers, self._params, self._floats = ((ctypes.c_void_p * capacity)() for _ in range(3))
         self._held: list = []  # (the arrays the queued addresses are of)
         self.count = 0
-        self.step = (ctypes.c_void_p * len(STEP))()  # (STEP order: the caller sets them before `run`)
+        # (STEP, then RATIO by ratio: the caller sets them before `run`)
+        self.step = (ctypes.c_void_p * (len(STEP) + ratios * len(RATIO)))()
 
     def add(self, pointers: ctypes.Array, params: Params, floats: ctypes.Array) -> None:
         """Queues a layer's call: `pointers` as `pointers` makes them (those of STEP are `step`'s), `floats` in

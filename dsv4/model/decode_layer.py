@@ -52,6 +52,7 @@ _EMBED = _AT["embed"]
 _HEAD = [_AT[name] for name in ("head_fn", "head_base", "head_scale", "head_norm", "head", "logits")]
 _SCRATCH = _AT["scratch"]
 _ATTENTION_PARAMS = cpu_layer.PARAMS.index("attention")
+_UNSEEN = [None] * len(_ROWS)  # (a ratio's rows where no token sees one yet)
 _KINDS: dict[tuple, int] = {}  # every kind of FusedLayer made, by its number (`FusedLayer.kind`)
 
 
@@ -104,7 +105,7 @@ class DecodeBuffers:
     MAX_PARAMS = 64  # p[] sets kept (by kind and how compressors advance: then dropped all at once)
     MAX_READ = 1024  # plan parts whose kernel-read forms are kept (`read`; as many as DecodePlanner keeps)
 
-    def __init__(self, tokens: int, streams: int, hidden: int, dtype: torch.dtype, layers: int):
+    def __init__(self, tokens: int, streams: int, hidden: int, dtype: torch.dtype, layers: int, ratios: int):
         def residual() -> Residual:
             return Residual(torch.empty(tokens, streams, hidden, dtype=dtype), torch.empty(tokens, hidden, dtype=dtype),
                             torch.empty(tokens, streams), torch.empty(tokens, streams, streams))
@@ -116,7 +117,7 @@ class DecodeBuffers:
         self.params: dict[tuple, cpu_layer.Params] = {}
         self._read: dict[int, tuple] = {}  # id(part) -> (the part, held: its id stays its own; its form)
         self._windows: dict[tuple[int, ...], torch.Tensor] = {}  # (`windows`)
-        self.calls = cpu_layer.Calls(layers)  # (a step's, `DecodeStep.run_layers`)
+        self.calls = cpu_layer.Calls(layers, ratios)  # (a step's, `DecodeStep.run_layers`)
 
     def read(self, part: CompressedRows | CompressPlan, form: Callable) -> _Seen | _Feed:
         """`form(part)` of a part of a decode plan, as the layers' calls read it: the same object in every step
@@ -164,9 +165,9 @@ class DecodeStep:
         one = plan.last_position if self.tokens == 1 else None
         self.tables = {window: self._rope_rows(tables, plan.positions, one) for window, tables in rope_tables.items()}
         # By ratio: the compressed rows each token sees, and how the compressors advance
-        self.seen = {ratio: buffers.read(rows, _Seen.of) for ratio, rows in plan.compressed.items()}
+        self.seen: dict[int, _Seen] = {}
+        self.feeds: dict[int, _Feed] = {}
         self.compress = plan.compress
-        self.feeds = {ratio: buffers.read(compress, _Feed.of) for ratio, compress in plan.compress.items()}
         self._compressed_rope = rope_tables.get(False)  # (the compressed layers')
         self._window_ropes: dict[int, Rope] = {}
         self._new_rows: dict[int, list[int]] = {}
@@ -180,9 +181,15 @@ class DecodeStep:
         # compressed one's): the tables, positions, slots, positions again (the ring's) and token ids
         addresses = [t.data_ptr() for t in (self.positions, self.slots, self.positions, self.token_ids)]
         self.pointers = {window: [cos2, sin2, *addresses] for window, (cos2, sin2, _) in self.tables.items()}
-        # (the queue's run sets them in every call: cpu_layer.STEP)
+        # (the queue's run sets them in every call: cpu_layer.STEP, then RATIO by ratio, in order)
         ropes = [self.tables.get(window, (None, None))[:2] for window in (True, False)]
-        self._calls.step[:] = [*ropes[0], *ropes[1], *addresses[:2], addresses[3]]
+        step = [*ropes[0], *ropes[1], *addresses[:2], addresses[3]]
+        for ratio in sorted(plan.compress):
+            seen = self.seen[ratio] = buffers.read(plan.compressed[ratio], _Seen.of)
+            feed = self.feeds[ratio] = buffers.read(plan.compress[ratio], _Feed.of)
+            step += seen.pointers or _UNSEEN
+            step += feed.pointers
+        self._calls.step[:] = step
 
     def run_layers(self) -> None:
         """Runs the layers' calls queued so far (a layer's call is queued, not run: `FusedLayer.__call__`), as
@@ -284,6 +291,8 @@ class FusedLayer:
         attn, ffn = block.attn, block.ffn
         self.cfg, self.dtype, self.window = cfg, dtype, block.window
         self.ratio = attn.ratio if attn.compressor is not None else None
+        # (its ratio's place among the model's, in which DecodeStep passes the ratios' parts; -1: none)
+        self.ratio_index = -1 if self.ratio is None else sorted({r for r in cfg.compress_ratios if r}).index(self.ratio)
         self.selects = attn.index_compressor is not None  # a CSA layer's indexer
         w_input, wq_b, wo_a, wo_b = attn.kernel_weights
         self.shapes = {"width": w_input.shape[0], "q_rank": attn.q_norm.shape[0], "dim": attn.kv_norm.shape[0],
@@ -330,9 +339,8 @@ class FusedLayer:
         # the call's pointers, the bound ones in place (each call sets the rest)
         self.comp_pool = pointers["comp_pool"]
         self.pointers = cpu_layer.pointers([pointers.get(name) for name in cpu_layer.POINTERS])
-        # What `pointers` holds from the last call (None: not set): its residual in and out, the compressed
-        # rows seen and the feeds' plan rows
-        self._bound: list = [None] * 4
+        # What `pointers` holds from the last call (None: not set): its residual in and out
+        self._bound: list = [None] * 2
         self._storing = False  # (whether `pointers` holds stores: `_set_stores`)
         self.mix_constants = mix_constants
         store_eps = [compressor.norm_eps for compressor, _, _ in self.stores] + [0.0] * (2 - len(self.stores))
@@ -380,7 +388,7 @@ class FusedLayer:
         stores += [(0,)] * (2 - len(stores))
         return [cpu_layer.layer_params(T, n, hidden, s["width"], s["q_rank"], s["dim"], s["heads"], dtype,
                                        self.window_pool, [column for _, _, column in self.feeds], moe["tiles"],
-                                       self.window),
+                                       self.window, self.ratio_index),
                 cpu_mhc.mix_params(T, n, hidden, self.mix_constants["sinkhorn_iters"], dtype),
                 cpu_project.project_params(T, hidden, s["width"], s["q_rank"], s["dim"], s["heads"], rope, dtype),
                 *feeds,
@@ -419,18 +427,7 @@ class FusedLayer:
                 pointers[norm] = pointers[cache] = None
             self._storing = False
         if self.ratio is not None:
-            seen, feed = step.seen[self.ratio], step.feeds[self.ratio]
-            if self._bound[2] is not seen:
-                pointers[_COMP_POOL] = None if seen.pointers is None else self.comp_pool  # (None: no row yet)
-                for at, address in zip(_ROWS, seen.pointers or [None] * len(_ROWS), strict=True):
-                    pointers[at] = address
-                self._bound[2] = seen
-            if self._bound[3] is not feed:
-                for c in range(len(self.feeds)):
-                    for at, address in zip(_FEED[c], feed.pointers, strict=True):
-                        pointers[at] = address
-                self._bound[3] = feed
-            windows = feed.windows
+            windows = step.feeds[self.ratio].windows
             if windows:
                 slots = self._window_slots(pointers, step, windows)
                 if not self.stores_in_call:
@@ -465,8 +462,14 @@ class FusedLayer:
         attention reads them."""
         params = step.params(self)
         scratch = torch.empty(cpu_layer.scratch_bytes(params), dtype=torch.uint8)
-        for at, address in zip(_STEP, step.pointers[self.window], strict=True):  # (the queue's run sets them)
-            pointers[at] = address
+        # (a copy: what the queue's run sets from the step, in this call's own array)
+        pointers = cpu_layer.pointers(list(pointers))
+        seen, feed = step.seen[self.ratio], step.feeds[self.ratio]
+        for ats, addresses in ((_STEP, step.pointers[self.window]), (_ROWS, seen.pointers or [None] * len(_ROWS)),
+                               *((_FEED[c], feed.pointers) for c in range(len(self.feeds)))):
+            for at, address in zip(ats, addresses, strict=True):
+                pointers[at] = address
+        pointers[_COMP_POOL] = None if seen.pointers is None else self.comp_pool  # (None: no row yet)
         pointers[_SCRATCH] = scratch.data_ptr()
         cpu_layer.decode_layer(pointers, params, self.floats, phases=cpu_layer.FRONT)
         compress, rope = step.compress[self.ratio], step.window_rope(self.ratio)
@@ -475,5 +478,4 @@ class FusedLayer:
         if self.selects:  # (the index keys', as PagedAttention records them)
             self.pools.record_index_keys(self.layer, compress.window_pages, compress.window_page_rows)
         cpu_layer.decode_layer(pointers, params, self.floats, phases=cpu_layer.BACK)
-        pointers[_SCRATCH] = None
 

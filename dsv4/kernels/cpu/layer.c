@@ -23,8 +23,9 @@
  * rest), the intermediates kept between them in the caller's scratch (decode_layer_scratch bytes). Each
  * kernel runs its own parallel region, as when called alone. decode_layers runs a step's layers' calls one
  * after another, so that the caller prepares them all in one stretch of Python, each with the step's
- * inputs that every layer reads (its RoPE tables by the layer's kind, the positions, slots and token ids)
- * from one array, not set in each layer's own. */
+ * inputs that every layer reads (its RoPE tables by the layer's kind, the positions, slots and token ids,
+ * and by its ratio the compressed rows its tokens see and how its compressors advance) from one array,
+ * not set in each layer's own. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -82,12 +83,17 @@ enum { P_LAYER, P_MIX, P_PROJECT, P_FEED_0, P_FEED_1, P_ATTENTION, P_EXIT, P_ROU
 /* the layer's p[]: tokens, streams, hidden size, w_input's rows, q_lora_rank, head_dim, heads, fp32 (else
  * bf16), the window W, the ring's slot and row strides (bytes), compressors fed (0..2), where each one's
  * kv | gate columns start in the projected row, whether the MoE runs on AMX tiles, which of a step's RoPE
- * tables the layer reads (decode_layers' step[]: 0 a window layer's, 1 a compressed one's) */
+ * tables the layer reads (decode_layers' step[]: 0 a window layer's, 1 a compressed one's), and which of
+ * its ratios' parts (-1: none, a window layer) */
 enum { L_TOKENS, L_STREAMS, L_HIDDEN, L_WIDTH, L_Q_RANK, L_DIM, L_HEADS, L_FP32, L_W, L_SLOT_STRIDE, L_RING_ROW,
-       L_FEEDS, L_FEED_COLUMN_0, L_FEED_COLUMN_1, L_TILES, L_ROPE, L_COUNT };
+       L_FEEDS, L_FEED_COLUMN_0, L_FEED_COLUMN_1, L_TILES, L_ROPE, L_RATIO, L_COUNT };
 /* decode_layers' step[]: the RoPE tables (cos2, sin2) of a window layer, then of a compressed one, the
- * positions, the slots, the token ids */
-enum { STEP_COS2, STEP_SIN2, STEP_POSITIONS = 4, STEP_SLOTS, STEP_TOKEN_IDS, STEP_COUNT };
+ * positions, the slots, the token ids; then by ratio the compressed rows seen (pages, page rows, exists,
+ * allowed: NULL where a token sees none yet) and its compressors' plan rows (state slots and rows, update
+ * slots, rows and sources, window sources) */
+enum { STEP_COS2, STEP_SIN2, STEP_POSITIONS = 4, STEP_SLOTS, STEP_TOKEN_IDS, STEP_RATIOS };
+enum { RATIO_PAGES, RATIO_PAGE_ROWS, RATIO_EXISTS, RATIO_ALLOWED, RATIO_STATE_SLOTS, RATIO_STATE_ROWS,
+       RATIO_UPDATE_SLOTS, RATIO_UPDATE_ROWS, RATIO_UPDATE_SOURCES, RATIO_WINDOW_SOURCES, RATIO_COUNT };
 enum { FRONT = 1, BACK = 2 }; /* `phases`: which of them a call runs */
 /* f[]: the mixes' hc_eps and norm eps, the projections' norm eps, the attention's scale, the MoE's
  * routed scaling factor and SwiGLU limit, the stores' norm eps */
@@ -201,6 +207,19 @@ int decode_layers(int64_t count, void *const *const *ptrs, const int64_t *const 
     mine[COS2] = step[STEP_COS2 + rope], mine[SIN2] = step[STEP_SIN2 + rope];
     mine[POSITIONS] = mine[AT] = step[STEP_POSITIONS];
     mine[SLOTS] = step[STEP_SLOTS], mine[TOKEN_IDS] = step[STEP_TOKEN_IDS];
+    if (params[i][P_LAYER][L_RATIO] >= 0) {
+      void *const *ratio = step + STEP_RATIOS + params[i][P_LAYER][L_RATIO] * RATIO_COUNT;
+      mine[PAGES] = ratio[RATIO_PAGES], mine[PAGE_ROWS] = ratio[RATIO_PAGE_ROWS];
+      mine[EXISTS] = ratio[RATIO_EXISTS], mine[ALLOWED] = ratio[RATIO_ALLOWED];
+      if (!ratio[RATIO_PAGES]) mine[COMP_POOL] = NULL; /* (no row seen yet) */
+      for (int c = 0; c < 2; c++) { /* (both compressors advance by the ratio's plan) */
+        const int o = c * (APE_1 - APE_0);
+        mine[STATE_SLOTS_0 + o] = ratio[RATIO_STATE_SLOTS], mine[STATE_ROWS_0 + o] = ratio[RATIO_STATE_ROWS];
+        mine[UPDATE_SLOTS_0 + o] = ratio[RATIO_UPDATE_SLOTS], mine[UPDATE_ROWS_0 + o] = ratio[RATIO_UPDATE_ROWS];
+        mine[UPDATE_SOURCES_0 + o] = ratio[RATIO_UPDATE_SOURCES];
+        mine[WINDOW_SOURCES_0 + o] = ratio[RATIO_WINDOW_SOURCES];
+      }
+    }
     const int status = decode_layer(mine, params[i], floats[i], FRONT | BACK, threads);
     if (status) return status;
   }

@@ -100,6 +100,11 @@ class Choices:
         if self._first is not None:
             first, self._first = self._first, None
             return 0, first
+        if len(self.calls) == 1:  # (one choice: its outputs in turn, without a task and a wait per output)
+            call = self.calls[0]
+            if call.finished:
+                raise StopAsyncIteration
+            return 0, await next_output(call)
         for i, call in enumerate(self.calls):
             if not call.finished and i not in self._pending:
                 self._pending[i] = asyncio.ensure_future(next_output(call))

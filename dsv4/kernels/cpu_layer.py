@@ -95,7 +95,7 @@ class Calls:
         self.step = (ctypes.c_void_p * (len(STEP) + ratios * len(RATIO)))()
 
     def add(self, pointers: ctypes.Array, params: Params, floats: ctypes.Array) -> None:
-        """Queues a layer's call: `pointers` as `pointers` makes them (those of STEP are `step`'s), `floats` in
+        """Queues a layer's call: `pointers` as `pointers` makes them (those of STEP and RATIO: `step`'s), `floats` in
         FLOATS order; the arrays are read when the calls run, as they are then."""
         if len(pointers) != len(POINTERS) or len(floats) != len(FLOATS):
             raise RuntimeError(f"cpu decode_layer: {len(POINTERS)} pointers and {len(FLOATS)} floats (got "

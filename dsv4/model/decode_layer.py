@@ -7,9 +7,9 @@ in the Python and torch ops around them.
 forward, the batch's indices (from its DecodePlan, dsv4/model/plan.py) and RoPE tables that every layer
 reads; `DecodeBuffers` keeps the layers' residuals and their kernels' p[] arrays from step to step. The
 layers' calls are queued on the step and run together (cpu/layer.c's decode_layers) where something reads
-their output: the step's Python then runs in one stretch, not nine, each of which ran ~4 times slower
-than hot, its caches cold from the kernels' weight streams (a c=1 step of `small`: ~350 -> ~290 us of
-Python in situ). A forward every layer of which runs fused is planned as a DecodePlan alone (ModelRunner,
+their output, with the step's inputs passed once for all of them (cpu_layer.Calls.step): the step's Python
+then runs in one stretch, not nine, each of which ran ~4 times slower than hot, its caches cold from the
+kernels' weight streams. A forward every layer of which runs fused is planned as a DecodePlan alone (ModelRunner,
 `PagedModel.runs_fused`). A layer runs fused where its indexer (a CSA layer's) does not select
 (`FusedLayer.serves`: contexts of at most index_topk compressed rows). Where windows of its compressors
 complete in the step, the call also pools and stores their new rows, which its attention reads; where the
@@ -408,8 +408,7 @@ class FusedLayer:
         its own phases)."""
         out = step.residual(self.layer)
         pointers = self.pointers
-        # (what the array still holds from the last call is not set again: the same buffers and plan parts,
-        # held here, in most steps)
+        # (the residual's addresses are not set again where its buffers are the last call's, as in most steps)
         inputs = []
         if self._bound[0] is not residual or self._bound[1] is not out:
             inputs = [as_read(t) for t in residual]  # (held until the call has run)

@@ -97,9 +97,7 @@ class Calls:
     def add(self, pointers: ctypes.Array, params: Params, floats: ctypes.Array) -> None:
         """Queues a layer's call: `pointers` as `pointers` makes them (those of STEP and RATIO: `step`'s), `floats` in
         FLOATS order; the arrays are read when the calls run, as they are then."""
-        if len(pointers) != len(POINTERS) or len(floats) != len(FLOATS):
-            raise RuntimeError(f"cpu decode_layer: {len(POINTERS)} pointers and {len(FLOATS)} floats (got "
-                               f"{len(pointers)}, {len(floats)})")
+        _check_call(pointers, floats)
         i = self.count
         if i == len(self._pointers):
             raise RuntimeError(f"cpu decode_layers: more than {i} calls queued")
@@ -142,9 +140,13 @@ def pointers(values: Sequence[int | None]) -> ctypes.Array:
 def decode_layer(pointers: ctypes.Array, params: Params, floats: ctypes.Array, phases: int = WHOLE) -> None:
     """Runs cpu/layer.c's decode_layer's `phases`: `pointers` as `pointers` makes them, `floats` in FLOATS
     order (a c_float array)."""
-    if len(pointers) != len(POINTERS) or len(floats) != len(FLOATS):
-        raise RuntimeError(f"cpu decode_layer: {len(POINTERS)} pointers and {len(FLOATS)} floats (got "
-                           f"{len(pointers)}, {len(floats)})")
+    _check_call(pointers, floats)
     status = entry("decode_layer")(pointers, params.pointers, floats, phases, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"cpu decode_layer: a kernel could not allocate its scratch memory ({status})")
+
+
+def _check_call(pointers: ctypes.Array, floats: ctypes.Array) -> None:
+    if len(pointers) != len(POINTERS) or len(floats) != len(FLOATS):
+        raise RuntimeError(f"cpu decode_layer: {len(POINTERS)} pointers and {len(FLOATS)} floats (got "
+                           f"{len(pointers)}, {len(floats)})")

@@ -177,19 +177,25 @@ class DecodeStep:
         self.head: list[int] | None = None
         self._params = buffers.params
         self._kind_params: dict[int, cpu_layer.Params] = {}  # (`params`)
-        # The addresses every layer's call reads, by kind of layer (a window layer's RoPE tables or a
-        # compressed one's): the tables, positions, slots, positions again (the ring's) and token ids
-        addresses = [t.data_ptr() for t in (self.positions, self.slots, self.positions, self.token_ids)]
-        self.pointers = {window: [cos2, sin2, *addresses] for window, (cos2, sin2, _) in self.tables.items()}
+        # The addresses every layer's call reads besides the RoPE tables: positions, slots, token ids
+        self._inputs = [t.data_ptr() for t in (self.positions, self.slots, self.token_ids)]
         # (the queue's run sets them in every call: cpu_layer.STEP, then RATIO by ratio, in order)
         ropes = [self.tables.get(window, (None, None))[:2] for window in (True, False)]
-        step = [*ropes[0], *ropes[1], *addresses[:2], addresses[3]]
+        step = [*ropes[0], *ropes[1], *self._inputs]
         for ratio in sorted(plan.compress):
             seen = self.seen[ratio] = buffers.read(plan.compressed[ratio], _Seen.of)
             feed = self.feeds[ratio] = buffers.read(plan.compress[ratio], _Feed.of)
             step += seen.pointers or _UNSEEN
             step += feed.pointers
         self._calls.step[:] = step
+
+    def pointers(self, window: bool) -> list[int]:
+        """The step's addresses that a layer's own call reads (cpu_layer's POINTERS cos2, sin2, positions,
+        slots, at, token_ids), by kind of layer (a window layer's RoPE tables or a compressed one's): what the
+        queue's run sets from `Calls.step`."""
+        cos2, sin2, _ = self.tables[window]
+        positions, slots, token_ids = self._inputs
+        return [cos2, sin2, positions, slots, positions, token_ids]
 
     def run_layers(self) -> None:
         """Runs the layers' calls queued so far (a layer's call is queued, not run: `FusedLayer.__call__`), as
@@ -464,7 +470,7 @@ class FusedLayer:
         # (a copy: what the queue's run sets from the step, in this call's own array)
         pointers = cpu_layer.pointers(list(pointers))
         seen, feed = step.seen[self.ratio], step.feeds[self.ratio]
-        for ats, addresses in ((_STEP, step.pointers[self.window]), (_ROWS, seen.pointers or [None] * len(_ROWS)),
+        for ats, addresses in ((_STEP, step.pointers(self.window)), (_ROWS, seen.pointers or _UNSEEN),
                                *((_FEED[c], feed.pointers) for c in range(len(self.feeds)))):
             for at, address in zip(ats, addresses, strict=True):
                 pointers[at] = address

@@ -65,10 +65,12 @@ class PagedModel:
         self.fused = [FusedLayer(cfg, i, block, pools, dtype, self.pieces.mix.keywords)
                       if FusedLayer.usable(block, pools, dtype, self.pieces.mix) else None
                       for i, block in enumerate(self.blocks)]
-        # Where every layer runs fused: the ratios whose indexers may select (`runs_fused`); the addresses of
-        # the embedding and the head's tensors that a step's first and last calls read
+        # Where every layer runs fused: a layer of each ratio whose indexer may select (`runs_fused`: the
+        # others' calls serve every step); the addresses of the embedding and the head's tensors that a
+        # step's first and last calls read
         self._all_fused = all(fused is not None for fused in self.fused)
-        self._selecting = sorted({fused.ratio for fused in self.fused if fused is not None and fused.selects})
+        self._selecting = list({fused.ratio: fused for fused in self.fused if fused is not None and fused.selects}
+                               .values())
         if self.head_kernel is not None:
             weight, fn, base, scale, norm = self.head_kernel
             self._embed_read = as_read(self.embed)  # (held: its address is read)
@@ -91,8 +93,7 @@ class PagedModel:
     def runs_fused(self, plan: DecodePlan) -> bool:
         """Whether every layer of a step of `plan` runs as one C call: `forward` then takes the decode plan
         alone."""
-        return self._all_fused and DecodeStep.takes(plan) and all(
-            plan.compressed[ratio].pages.shape[1] <= self.cfg.index_topk for ratio in self._selecting)
+        return self._all_fused and DecodeStep.takes(plan) and all(fused.serves(plan) for fused in self._selecting)
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan | DecodePlan, on_selection: SelectionSink | None = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ layer runs as one C call reads only a few of these: its `DecodePlan` (`DecodePla
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -173,21 +174,6 @@ class DecodePlanner:
         self.state_rows = {r: _state_rows(cfg, r) for r in sorted({r for r in cfg.compress_ratios if r})}
         self._rows: dict[tuple, CompressedRows] = {}
         self._feeds: dict[tuple, CompressPlan] = {}
-        self._empty: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (`_state_writes`)
-
-    def _state_writes(self, ratio: int, state_rows: int, slots: tuple[int, ...], ends: list[int]) -> CompressPlan:
-        """`_decode_compress_plan` of chunks of `slots` whose tokens end at `ends`, none of them a window's:
-        each token's row goes to its state, at row lookback + its position's phase. From the slots and
-        phases alone (the plan of ratio 128 differs at every step of a request: as NumPy arrays of the
-        chunks, ~13 us hot and ~50 in situ)."""
-        lookback = state_rows - ratio
-        empty = self._empty.get(state_rows)
-        if empty is None:
-            empty = self._empty[state_rows] = (_tensor(np.zeros(0, dtype=np.int64)),
-                                               _tensor(np.zeros((0, state_rows), dtype=np.int64)))
-        none, no_windows = empty
-        return CompressPlan(ratio, none, none, no_windows, none, none, none, _tensor(slots),
-                            _tensor([(end - 1) % ratio + lookback for end in ends]), _tensor(range(len(slots))))
 
     def plan(self, batch: ForwardBatch) -> DecodePlan | None:
         """The batch's decode plan; None where it is not such a batch."""
@@ -208,8 +194,10 @@ class DecodePlanner:
             feed_key = (ratio, slots, tuple(end % ratio for end in ends),
                         completes and tuple(end < state_rows for end in ends))  # (windows reaching before 0)
             rows, feed = self._rows.get(rows_key), self._feeds.get(feed_key)
-            if feed is None and not completes:
-                feed = self._feeds[feed_key] = self._state_writes(ratio, state_rows, slots, ends)
+            if feed is None and not completes:  # (from the slots and phases alone)
+                lookback = state_rows - ratio
+                feed = self._feeds[feed_key] = _state_writes(ratio, state_rows, slots,
+                                                             [(end - 1) % ratio + lookback for end in ends])
             if rows is None or feed is None:
                 chunks = chunks or _Chunks.of(batch.chunks, self.page_size)
             if rows is None:
@@ -434,10 +422,7 @@ def _decode_compress_plan(chunks: _Chunks, ratio: int, state_rows: int) -> Compr
     phase = p % ratio
     done = phase == ratio - 1
     if not done.any():  # (most steps) each token's row goes to its state, which nothing reads
-        none = np.zeros(0, dtype=np.int64)
-        return CompressPlan(ratio, *(_tensor(none),) * 2, _tensor(np.zeros((0, state_rows), dtype=np.int64)),
-                            *(_tensor(none),) * 3, _tensor(chunks.slot), _tensor(phase + lookback),
-                            _tensor(np.arange(len(p))))
+        return _state_writes(ratio, state_rows, chunks.slot, phase + lookback)
     window_start = p - phase
     state = empty + 1 + chunks.slot * state_rows + lookback - window_start  # + q: position q's virtual state row
     owner = np.flatnonzero(done)
@@ -450,6 +435,23 @@ def _decode_compress_plan(chunks: _Chunks, ratio: int, state_rows: int) -> Compr
     return _numbered_plan(chunks, ratio, state_rows, owner, first, window_sources, chunks.slot[kept_owner],
                           kept - new_window_start[kept_owner] + lookback,
                           np.where(kept == p[kept_owner], kept_owner, state[kept_owner] + kept))
+
+
+def _state_writes(ratio: int, state_rows: int, slots, rows) -> CompressPlan:
+    """The compressors' plan of one-token chunks in `slots` none of whose tokens completes a window: token i's
+    row goes to its slot's state at row `rows[i]` (lookback + its position's phase). The plan of ratio 128
+    is new at every step of a request: DecodePlanner builds it so from the slots and phases alone (as NumPy
+    arrays of the chunks, ~13 us hot and ~50 in situ)."""
+    none, no_windows = _no_rows(state_rows)
+    return CompressPlan(ratio, none, none, no_windows, none, none, none, _tensor(slots), _tensor(rows),
+                        _tensor(range(len(slots))))
+
+
+@functools.cache
+def _no_rows(state_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty int64 [0] and [0, state_rows]: what every plan that reads no state and completes no window holds
+    (shared: nothing writes a plan's tensors)."""
+    return _tensor(np.zeros(0, dtype=np.int64)), _tensor(np.zeros((0, state_rows), dtype=np.int64))
 
 
 def _numbered_plan(chunks: _Chunks, ratio: int, state_rows: int, owner: np.ndarray, first: np.ndarray,

@@ -130,7 +130,8 @@ class Engine:
         self._progress_at = clock()
         self._ticks_done = 0
         self._rank_ticks: list[int] = []  # consensus of tick _ticks_done; the ticker's own changes mid-tick, on the forward thread
-        self.metrics.observe_capacity(self.scheduler.capacity(), 0, 0)
+        self.metrics.watch_capacity(self.scheduler.capacity, lambda: len(self.scheduler.running),
+                                    lambda: len(self.scheduler.waiting))
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> Engine:

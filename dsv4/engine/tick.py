@@ -261,9 +261,6 @@ class Ticker:
             self._postprocess(plan, sampled, indexer_check, self._clock())
         self._metrics.ticks.inc()
         self._metrics.tick_duration.observe(self._clock() - started)
-        self._metrics.observe_capacity(
-            self.scheduler.capacity(), len(self.scheduler.running), len(self.scheduler.waiting)
-        )
         return plan
 
     def _guarded(self, req: Request, stage: str, now: float, handle: Callable[..., None], *args) -> None:

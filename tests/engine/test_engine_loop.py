@@ -82,6 +82,26 @@ async def test_concurrent_requests_match_greedy_whatever_the_batching(make_engin
     assert sample("dsv4_finished_requests_total", {"reason": "length"}) == 12
 
 
+async def test_capacity_gauges_show_the_scheduler_when_scraped(make_engine):
+    """The gauges are read at render time: while requests run, and after they end, they show the
+    scheduler's state of that moment (not that of the last tick, which runs only while there is work)."""
+    engine = await make_engine(forward_delay=0.02, max_running_requests=2)
+    sample = engine.metrics.registry.get_sample_value
+    assert (sample("dsv4_free_pages"), sample("dsv4_total_pages"), sample("dsv4_free_slots"),
+            sample("dsv4_total_slots"), sample("dsv4_running_requests"), sample("dsv4_waiting_requests")) == (
+        16, 16, 2, 2, 0, 0)
+    streams = [asyncio.ensure_future(collect(engine.submit(greedy_request(f"g{i}", [3] * 200, max_new=30))))
+               for i in range(3)]
+    await wait_until(lambda: len(engine.scheduler.running) == 2)
+    assert sample("dsv4_running_requests") == 2 and sample("dsv4_waiting_requests") == 1
+    assert sample("dsv4_free_slots") == 0 and sample("dsv4_free_pages") == engine.scheduler.capacity()["free_pages"] < 16
+    async with asyncio.timeout(30):
+        await asyncio.gather(*streams)
+    await wait_until(lambda: all_free(engine))
+    assert (sample("dsv4_free_pages"), sample("dsv4_free_slots"), sample("dsv4_running_requests"),
+            sample("dsv4_waiting_requests")) == (16, 2, 0, 0)
+
+
 async def test_aborts_at_random_points_free_every_page_and_slot(make_engine):
     engine = await make_engine(forward_delay=0.002)
     rng = random.Random(1)

@@ -17,7 +17,8 @@ per --dataset-name, with HF on the same prompts in batches of the concurrency; t
 dtype, a request-rate sweep (Poisson arrivals, --request-rate), one shared-prefix run with the
 server's prefix-cache hit rate (--shared-prefix-concurrency) and an abort storm
 (--storm-concurrency). Also measured: the server's startup to ready, the machine's memory
-bandwidth, and the concurrency-1 decode step against weight bytes read per step / bandwidth.
+bandwidth (at the start, and just before and after each dtype's concurrency-1 run), and that run's
+decode step against weight bytes read per step / the faster of the bandwidths read beside it.
 Plots (PNG): throughput against concurrency for dsv4 and HF, and ITL over time across the storm.
 Every request and every wait is bounded; a server it starts is always stopped.
 """
@@ -109,7 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def plan(args) -> tuple[list[Run], list[Run]]:
     """The runs of every dtype, and those the last dtype adds."""
     hf = args.baseline == "hf"
-    every = [Run(d, c, hf=hf) for d in args.dataset_name for c in args.max_concurrency]
+    # (the random c=1 run's decode step is set against the bandwidth floor: probes bracket it)
+    every = [Run(d, c, hf=hf, probed=not args.url and d == "random" and c == 1)
+             for d in args.dataset_name for c in args.max_concurrency]
     last = [Run(d, None, rate) for d in args.dataset_name for rate in args.request_rate]
     if args.shared_prefix_concurrency:
         last.append(Run("generated-shared-prefix", args.shared_prefix_concurrency, sweep=False))
@@ -117,9 +120,9 @@ def plan(args) -> tuple[list[Run], list[Run]]:
 
 
 def decode_bound(model_dir: Path, dtypes: list[str], gib: float, context: int) -> tuple[dict, dict]:
-    """The machine's memory bandwidth, and per dtype the decode step's floor: weight bytes read at
-    contexts of up to `context` tokens / bandwidth (`read_as_served` revises it for a server that
-    reads bf16 copies)."""
+    """The machine's memory bandwidth at the start, and per dtype the decode step's floor: weight bytes
+    read at contexts of up to `context` tokens / bandwidth (`read_as_served` revises the bytes for a
+    server that reads bf16 copies, `set_floors` the bandwidth to that beside the c=1 run)."""
     from bench.baseline import decode_weight_bytes, memory_bandwidth
 
     bandwidth = memory_bandwidth(gib)
@@ -133,7 +136,7 @@ def decode_bound(model_dir: Path, dtypes: list[str], gib: float, context: int) -
     return bandwidth, bound
 
 
-def read_as_served(model_dir: Path, results, context: int, bandwidth: dict, bound: dict) -> None:
+def read_as_served(model_dir: Path, results, context: int, bandwidth: dict) -> None:
     """Where a server's decode steps read bf16 copies of its fp32 weights, its floor is the bytes it
     reads, not the dtype's (kept as `decode_weight_bytes_<dtype>_in_dtype`)."""
     from bench.baseline import decode_weight_bytes
@@ -143,7 +146,18 @@ def read_as_served(model_dir: Path, results, context: int, bandwidth: dict, boun
             weight_bytes = decode_weight_bytes(model_dir, r.dtype, context, bf16_copies=r.bf16_copies)
             bandwidth[f"decode_weight_bytes_{r.dtype}_in_dtype"] = bandwidth[f"decode_weight_bytes_{r.dtype}"]
             bandwidth[f"decode_weight_bytes_{r.dtype}"] = weight_bytes
-            bound[r.dtype] = weight_bytes / (bandwidth["read_gbps"] * 1e9)
+
+
+def set_floors(results, c1: Run | None, bandwidth: dict, bound: dict) -> None:
+    """Each dtype's floor from the bandwidth beside its c=1 run: the faster of the probes just before
+    and just after it (the stricter floor), or the start's where that run was not made. The step and
+    its floor are then measured in the same state of the machine (`Run.probed`)."""
+    for r in results:
+        record = r.get("dsv4", c1) if c1 is not None else None
+        beside = record.get("bandwidth_beside_gbps") if record else None
+        gbps = max(beside) if beside else bandwidth["read_gbps"]
+        bandwidth[f"floor_gbps_{r.dtype}"] = gbps
+        bound[r.dtype] = bandwidth[f"decode_weight_bytes_{r.dtype}"] / (gbps * 1e9)
 
 
 def print_bound(results, c1: Run, bandwidth: dict, bound: dict) -> None:
@@ -153,12 +167,17 @@ def print_bound(results, c1: Run, bandwidth: dict, bound: dict) -> None:
             continue
         step = record["mean_tpot_ms"]
         floor = bound[r.dtype] * 1000
+        gbps = bandwidth[f"floor_gbps_{r.dtype}"]
+        beside = record.get("bandwidth_beside_gbps")
+        where = (f"the faster of {beside[0]:.1f} and {beside[1]:.1f} GB/s read just before and after the run"
+                 if beside else "read at the start")
         print(f"decode step c=1 ({r.dtype}): {step:.1f} ms; weights read per step "
-              f"{bandwidth[f'decode_weight_bytes_{r.dtype}'] / 1e6:.1f} MB / {bandwidth['read_gbps']:.1f} GB/s "
-              f"= {floor:.2f} ms floor; the step takes {step / floor:.1f}x the floor")
+              f"{bandwidth[f'decode_weight_bytes_{r.dtype}'] / 1e6:.1f} MB / {gbps:.1f} GB/s ({where}; "
+              f"{bandwidth['read_gbps']:.1f} at the start) = {floor:.2f} ms floor; the step takes {step / floor:.1f}x "
+              f"the floor")
         in_dtype = bandwidth.get(f"decode_weight_bytes_{r.dtype}_in_dtype")
         if in_dtype is not None:
-            floor_in_dtype = in_dtype / (bandwidth["read_gbps"] * 1e9) * 1000
+            floor_in_dtype = in_dtype / (gbps * 1e9) * 1000
             print(f"  (it reads bf16 copies of the {r.dtype} weights ({' and '.join(r.bf16_copies)}), which hold "
                   f"bf16 values: in "
                   f"{r.dtype} they weigh {in_dtype / 1e6:.1f} MB, a {floor_in_dtype:.2f} ms floor, "
@@ -208,12 +227,15 @@ def main(argv=None) -> int:
         summary.update(bandwidth=bandwidth, decode_floor_s=bound)
         per_dtype = [measure_dtype(args.model_dir, dtype, args.server_args.split(),
                                    every + (last if i == len(args.dtype) - 1 else []), work, results,
-                                   storm if i == len(args.dtype) - 1 else None)
+                                   storm if i == len(args.dtype) - 1 else None, bandwidth_gib=args.bandwidth_gib)
                      for i, dtype in enumerate(args.dtype)]
         summary["startup_s"] = {r.dtype: r.startup_s for r in per_dtype}
 
-    if not args.url:  # (the summary holds these dicts: it sees the revision)
-        read_as_served(args.model_dir, per_dtype, args.input_len + args.output_len, bandwidth, bound)
+    random_runs = [run for run in every if run.dataset == "random"]
+    c1 = next((run for run in random_runs if run.concurrency == 1), None)
+    if not args.url:  # (the summary holds these dicts: it sees the revisions)
+        read_as_served(args.model_dir, per_dtype, args.input_len + args.output_len, bandwidth)
+        set_floors(per_dtype, c1, bandwidth, bound)
     for r in per_dtype:
         print(f"\n{r.dtype}: dsv4 against HF (x: dsv4's speedup; medians)")
         print(ratio_table(r, every + last))
@@ -221,9 +243,7 @@ def main(argv=None) -> int:
             summary["abort_storm"] = {k: v for k, v in r.storm.items() if k != "points"}
     plots = draw_all(results.folder)  # before the TP=2 server: a failure there leaves the plots drawn
     print("\nplots: " + ", ".join(str(p) for p in plots))
-    random_runs = [run for run in every if run.dataset == "random"]
     if not args.url and random_runs:
-        c1 = next((run for run in random_runs if run.concurrency == 1), None)
         if c1 is not None:
             print()
             print_bound(per_dtype, c1, bandwidth, bound)

@@ -42,6 +42,10 @@ class Run:
     rate: float = math.inf
     hf: bool = False
     sweep: bool = True  # False: a run of its own, not a point of a sweep
+    # the memory bandwidth measured just before and just after the run (the run whose decode step is set
+    # against the bandwidth floor): the machine's bandwidth moves between states that last seconds to
+    # minutes (45..80 GB/s here), so a floor from a probe minutes away may be another state's
+    probed: bool = False
 
     @property
     def kind(self) -> str:
@@ -106,6 +110,13 @@ def _record(backend: str, dtype: str, run: Run, work: Workload, results, wall: f
             "output_len": work.output_len, **summarize(results, wall), "requests": request_records(results)}
 
 
+def probe_bandwidth(gib: float) -> float:
+    """GB/s read now (bench.baseline.memory_bandwidth): the server is idle, its threads asleep."""
+    from bench.baseline import memory_bandwidth
+
+    return memory_bandwidth(gib)["read_gbps"]
+
+
 async def _dsv4_run(url: str, dtype: str, run: Run, work: Workload, prompts) -> dict:
     before = await scrape_counters(url)
     results, wall = await run_load(url, prompts, work.output_len, work.request_timeout, run.concurrency, run.rate,
@@ -129,10 +140,13 @@ def warmup_prompt(work: Workload) -> list[int]:
 
 
 def measure_server(url: str, dtype: str, runs: list[Run], work: Workload, results: Results, out: DtypeResult,
-                   storm: Storm | None) -> None:
+                   storm: Storm | None, bandwidth_gib: float = 1.0) -> None:
     asyncio.run(run_load(url, [warmup_prompt(work)], 4, work.request_timeout))  # first-request costs stay out
     for index, run in enumerate(runs):
+        before = probe_bandwidth(bandwidth_gib) if run.probed else None
         record = asyncio.run(_dsv4_run(url, dtype, run, work, prompts_for(run, work, index)))
+        if run.probed:
+            record["bandwidth_beside_gbps"] = [before, probe_bandwidth(bandwidth_gib)]
         out.runs[("dsv4", run.label)] = record
         results.save(f"dsv4-{dtype}-{run.label}", record)
         print(format_summary(f"dsv4 {dtype} {run.label}", record), flush=True)
@@ -167,7 +181,8 @@ def measure_hf(model_dir: Path, dtype: str, runs: list[Run], work: Workload, res
 
 
 def measure_dtype(model_dir: Path, dtype: str, server_args: list[str], runs: list[Run], work: Workload,
-                  results: Results, storm: Storm | None = None, ready_timeout: float = 600) -> DtypeResult:
+                  results: Results, storm: Storm | None = None, ready_timeout: float = 600,
+                  bandwidth_gib: float = 1.0) -> DtypeResult:
     from dsv4.model.compile import BF16_COPIES_LOGGED  # (torch: imported where a server is measured)
     from dsv4.model.model import KERNEL_COPIES_LOGGED
 
@@ -177,7 +192,7 @@ def measure_dtype(model_dir: Path, dtype: str, server_args: list[str], runs: lis
     with server:
         out.startup_s = server.ready_seconds
         print(f"\ndsv4 server ({dtype}) ready in {out.startup_s:.1f} s", flush=True)
-        measure_server(server.url, dtype, runs, work, results, out, storm)
+        measure_server(server.url, dtype, runs, work, results, out, storm, bandwidth_gib)
     log = server.log.read_text(errors="replace")
     out.bf16_copies = tuple(kind for kind, line in KERNEL_COPIES_LOGGED.items()
                             if BF16_COPIES_LOGGED in log or line in log)

@@ -52,6 +52,13 @@ def test_the_benchmark_writes_every_metric_and_both_plots(tiny_ckpt, tmp_path):
     assert not any(storm["held_after"].values()) and storm["points"]
     summary = runs["summary"]
     assert summary["bandwidth"]["read_gbps"] > 0 and summary["decode_floor_s"]["float32"] > 0
+    # The floor divides by the faster of the probes beside the c=1 run (only that run is bracketed).
+    beside = runs["dsv4-float32-random-c1"]["bandwidth_beside_gbps"]
+    assert len(beside) == 2 and min(beside) > 0 and "bandwidth_beside_gbps" not in runs["dsv4-float32-random-c2"]
+    bandwidth = summary["bandwidth"]
+    assert bandwidth["floor_gbps_float32"] == max(beside)
+    assert summary["decode_floor_s"]["float32"] == pytest.approx(
+        bandwidth["decode_weight_bytes_float32"] / (max(beside) * 1e9))
     assert 0 < summary["startup_s"]["float32"] < 200
     assert "Output token throughput (tok/s):" in done.stdout and "x the floor" in done.stdout
     for png in ("throughput_vs_concurrency.png", "itl_abort_storm.png"):

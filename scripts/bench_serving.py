@@ -26,7 +26,6 @@ Every request and every wait is bounded; a server it starts is always stopped.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # dsv4 from this checkout, installed or not
 
-from bench.client import ROOT, ServerProcess, run_load
+from bench.client import ROOT, ServerProcess, run_client, run_load
 from bench.datasets import DATASETS
 from bench.plots import draw_all
 from bench.runner import Results, Run, Storm, Workload, measure_dtype, prompts_for, ratio_table
@@ -193,7 +192,7 @@ def tp_compare(model_dir: Path, args, work: Workload, results: Results, c1: Run,
     server = ServerProcess(model_dir, ["--dtype", "float32", "--tp-size", "2", *args.server_args.split()],
                            600, results.folder / "server-float32-tp2.log")
     with server:
-        done, _ = asyncio.run(run_load(server.url, prompts, work.output_len, work.request_timeout, c1.concurrency))
+        done, _ = run_client(run_load(server.url, prompts, work.output_len, work.request_timeout, c1.concurrency))
     steps = [r.tpot for r in done if r.ok and r.tpot is not None]
     two = sum(steps) / len(steps) * 1000 if steps else math.nan
     one = fp32_c1["mean_tpot_ms"]

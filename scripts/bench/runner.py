@@ -5,13 +5,12 @@ each run's figures printed and written to one JSON file in the results folder.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.client import HIT_TOKENS, PROMPT_TOKENS, ServerProcess, run_load, scrape_counters
+from bench.client import HIT_TOKENS, PROMPT_TOKENS, ServerProcess, run_client, run_load, scrape_counters
 from bench.datasets import random_prompts, shared_prefix_prompts
 from bench.metrics import format_summary, ratio, request_records, summarize
 from bench.storm import format_storm, itl_across_storm
@@ -141,10 +140,10 @@ def warmup_prompt(work: Workload) -> list[int]:
 
 def measure_server(url: str, dtype: str, runs: list[Run], work: Workload, results: Results, out: DtypeResult,
                    storm: Storm | None, bandwidth_gib: float = 1.0) -> None:
-    asyncio.run(run_load(url, [warmup_prompt(work)], 4, work.request_timeout))  # first-request costs stay out
+    run_client(run_load(url, [warmup_prompt(work)], 4, work.request_timeout))  # first-request costs stay out
     for index, run in enumerate(runs):
         before = probe_bandwidth(bandwidth_gib) if run.probed else None
-        record = asyncio.run(_dsv4_run(url, dtype, run, work, prompts_for(run, work, index)))
+        record = run_client(_dsv4_run(url, dtype, run, work, prompts_for(run, work, index)))
         if run.probed:
             record["bandwidth_beside_gbps"] = [before, probe_bandwidth(bandwidth_gib)]
         out.runs[("dsv4", run.label)] = record
@@ -152,7 +151,7 @@ def measure_server(url: str, dtype: str, runs: list[Run], work: Workload, result
         print(format_summary(f"dsv4 {dtype} {run.label}", record), flush=True)
     if storm is not None:
         prompts = random_prompts(storm.concurrency, work.input_len, work.seed * 1000 + 999)
-        record = asyncio.run(itl_across_storm(url, prompts, storm.output_len, storm.fraction, storm.after_tokens,
+        record = run_client(itl_across_storm(url, prompts, storm.output_len, storm.fraction, storm.after_tokens,
                                               work.request_timeout, work.seed))
         record.update(kind="abort-storm", backend="dsv4", dtype=dtype)
         out.storm = record

@@ -25,7 +25,7 @@ async def itl_across_storm(url: str, prompts: list[list[int]], output_len: int, 
     doomed = set(rng.sample(range(len(streams)), round(fraction * len(streams))))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         start = time.perf_counter()
-        tasks = [asyncio.create_task(stream_request(session, url, s, output_len, timeout)) for s in streams]
+        tasks = [asyncio.create_task(stream_request(url, s, output_len, timeout)) for s in streams]
         deadline = time.monotonic() + timeout
         while (any(s.tokens < storm_after and not t.done() for s, t in zip(streams, tasks))
                and time.monotonic() < deadline):

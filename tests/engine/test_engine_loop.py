@@ -166,6 +166,21 @@ async def test_a_dead_tick_loop_is_reported_and_fails_requests(make_engine):
     assert late[-1].finish_reason == "error"
 
 
+async def test_a_forward_past_its_deadline_kills_the_tick_loop_with_its_name(make_engine):
+    """A forward stuck past FORWARD_DEADLINE_STALLS stall bounds (0.6 s here) ends the tick loop with the tick
+    named; its requests fail with that reason at once, though the forward thread is still stuck."""
+    engine = await make_engine(forward_delay=0.002, tick_stall_timeout=0.05, fault_inject="stall_tick=3@3")
+    started = time.monotonic()
+    async with asyncio.timeout(2.5):
+        outputs = await collect(engine.submit(greedy_request("d", [4, 5], max_new=20)))
+    assert time.monotonic() - started < 2.0  # the forward itself would take 3 s more
+    final = outputs[-1]
+    assert final.finish_reason == "error" and final.error_status == 503, final
+    assert "forward of tick 3 did not return within 1 s" in final.error, final.error
+    ok, reasons = engine.ready()
+    assert not ok and "tick loop died at tick 3" in reasons[0], reasons
+
+
 async def test_queue_wait_bound_makes_the_engine_not_ready(make_engine):
     engine = await make_engine(forward_delay=0.05, max_running_requests=1, chunked_prefill_size=1, max_queue_wait=0.1)
     first = asyncio.create_task(collect(engine.submit(greedy_request("first", [3], max_new=8))))

@@ -88,7 +88,13 @@ class StreamedResponse(asyncio.Protocol):
         self._events = bytearray()  # SSE text not yet ending an event
 
     def data_received(self, data: bytes) -> None:
-        now = time.perf_counter()
+        try:
+            self._received(time.perf_counter(), data)
+        except ValueError as e:  # a malformed response or event (msgspec's DecodeError is a ValueError)
+            if not self.done.done():
+                self.done.set_exception(e)
+
+    def _received(self, now: float, data: bytes) -> None:
         if self.status is None:
             self._head += data
             end = self._head.find(b"\r\n\r\n")
@@ -191,7 +197,7 @@ async def stream_request(url: str, stream: Stream, output_len: int, timeout: flo
             await response.done
         if response.status != 200:
             stream.error = f"HTTP {response.status}: {bytes(response.body[:200]).decode(errors='replace')}"
-    except (TimeoutError, OSError, ValueError) as e:  # (ValueError: a malformed response)
+    except (TimeoutError, OSError, ValueError) as e:  # (ValueError: a malformed response or event)
         stream.error = f"{type(e).__name__}: {e}"[:200]
     finally:
         if response is not None and not response.done.done():

@@ -92,6 +92,11 @@ async def test_a_failed_response_keeps_its_body_and_a_lost_connection_fails():
     assert isinstance(protocol.done.exception(), ConnectionError) and [e for _, e in got] == EVENTS[:2]
 
 
+async def test_a_malformed_response_fails_its_wait():
+    protocol, _ = await read(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", [])
+    assert isinstance(protocol.done.exception(), ValueError)
+
+
 async def test_a_body_to_the_close_ends_at_the_close():
     protocol, _ = await read(b"HTTP/1.1 503 Service Unavailable\r\n\r\nbusy", [], lose=True)
     assert protocol.status == 503 and bytes(protocol.body) == b"busy" and protocol.done.result() is None

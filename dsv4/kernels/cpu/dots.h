@@ -43,8 +43,11 @@ enum { BLOCK = 8 }; /* the most rows that share each load of a weight */
  * evict from the caches what the step reads again (its activations, the KV rows, the Python around the
  * calls). The projections of a decode step, weights cycling through more than the L3, on a machine whose
  * memory torch.sum reads at ~74 GB/s: 53 GB/s with every other line asked for 4 KB ahead into L2, 70..80
- * with every line 16 KB ahead non-temporal (at ~44 GB/s: 38 against 44..48) */
-enum { PREFETCH_BYTES = 16384 };
+ * with every line 16 KB ahead non-temporal (at ~44 GB/s: 38 against 44..48). A whole c=1 decode step of
+ * `small` (fp32, ~80 streams of 0.1..2 MB, each of whose first PREFETCH_BYTES go unasked), the distance
+ * alternated by blocks of 4 steps in one process, paired medians against 16 KB: 8 KB -24..-60 us a step
+ * (1.85..2.2 ms), 12 KB -25, 4 KB +66, 32 KB +8; 6 and 10 KB within noise of 8. */
+enum { PREFETCH_BYTES = 8192 };
 
 /* out[j] = sum over n bf16 pairs rows[j][i] * w[i] in fp32 for j < N (n even), w read once for all:
  * N independent sums (a constant where it is inlined, so that they stay in registers). */

@@ -76,8 +76,8 @@ class EngineMetrics:
     def watch_capacity(self, capacity: Callable[[], dict], running: Callable[[], int],
                        waiting: Callable[[], int]) -> None:
         """The capacity gauges read when /metrics renders (on the event loop thread, which owns what they
-        read), not set at every tick: six locked sets and a snapshot per tick cost ~10 us in a c=1 decode
-        tick, and a scrape now sees the state of that moment."""
+        read), not set at every tick: six locked sets and a snapshot took the tick's tail from 3 to 19 us
+        in situ (c=1 decode), and a scrape now sees the state of that moment."""
         for gauge, key in ((self.free_pages, "free_pages"), (self.total_pages, "total_pages"),
                            (self.free_slots, "free_slots"), (self.total_slots, "total_slots")):
             gauge.set_function(lambda key=key: capacity()[key])

@@ -101,6 +101,12 @@ class ModelConfig:
             raise ConfigError("num_experts_per_tok exceeds n_routed_experts")
 
     # -- per-layer facts --------------------------------------------------------------------------
+    @property
+    def compressed_ratios(self) -> tuple[int, ...]:
+        """The distinct ratios of the compressed layers, ascending: the order in which a plan's parts by ratio
+        are kept and a decode step passes them to its layers' calls."""
+        return tuple(sorted({r for r in self.compress_ratios if r}))
+
     def layer_kind(self, layer: int) -> str:
         return LAYER_KIND_BY_RATIO[self.compress_ratios[layer]]
 

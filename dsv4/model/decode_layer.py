@@ -298,7 +298,7 @@ class FusedLayer:
         self.cfg, self.dtype, self.window = cfg, dtype, block.window
         self.ratio = attn.ratio if attn.compressor is not None else None
         # (its ratio's place among the model's, in which DecodeStep passes the ratios' parts; -1: none)
-        self.ratio_index = -1 if self.ratio is None else sorted({r for r in cfg.compress_ratios if r}).index(self.ratio)
+        self.ratio_index = -1 if self.ratio is None else cfg.compressed_ratios.index(self.ratio)
         self.selects = attn.index_compressor is not None  # a CSA layer's indexer
         w_input, wq_b, wo_a, wo_b = attn.kernel_weights
         self.shapes = {"width": w_input.shape[0], "q_rank": attn.q_norm.shape[0], "dim": attn.kv_norm.shape[0],

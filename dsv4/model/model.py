@@ -148,7 +148,7 @@ class PagedModel:
         if buffers is None:
             buffers = self._buffers_by_tokens[tokens] = DecodeBuffers(tokens, self.cfg.hc_mult, self.cfg.hidden_size,
                                                                      self.dtype, self.cfg.num_layers,
-                                                                     len({r for r in self.cfg.compress_ratios if r}))
+                                                                     len(self.cfg.compressed_ratios))
         return buffers
 
     def _head_kernel(self, cfg: ModelConfig) -> tuple[torch.Tensor, ...] | None:

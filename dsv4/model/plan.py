@@ -171,7 +171,7 @@ class DecodePlanner:
 
     def __init__(self, cfg: ModelConfig, page_size: int):
         self.page_size = page_size
-        self.state_rows = {r: _state_rows(cfg, r) for r in sorted({r for r in cfg.compress_ratios if r})}
+        self.state_rows = {r: _state_rows(cfg, r) for r in cfg.compressed_ratios}
         self._rows: dict[tuple, CompressedRows] = {}
         self._feeds: dict[tuple, CompressPlan] = {}
 
@@ -232,7 +232,7 @@ def build_plan(cfg: ModelConfig, batch: ForwardBatch, page_size: int) -> BatchPl
     chunks = _Chunks.of(order, page_size)
     row_of = {id(c): i for i, c in enumerate(order)}
     sampled = np.array([row_of[id(c)] for c in batch.chunks if c.sample], dtype=np.int64)
-    ratios = sorted({r for r in cfg.compress_ratios if r})
+    ratios = cfg.compressed_ratios
     captures = _Captures.of(batch, {c.slot: row_of[id(c)] for c in order}, chunks)
     groups, first = [], 0
     for group in members:

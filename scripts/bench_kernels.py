@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 
 import torch
 
+from dsv4.config.server_args import cpu_kernel_isa
 from dsv4.kernels import cpu_attention, cpu_mhc, cpu_moe, cpu_project, dispatch
 from dsv4.kernels.indexer_topk import indexer_topk_torch
 from dsv4.kernels.rows import index_row_bytes, main_row_bytes, pack_index_rows, pack_main_rows
@@ -172,7 +173,7 @@ def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
 
         kernel, reference = time_cpu(partial(cpu_attention.band_attention, q, rows, allowed, sink, compressed,
                                              compressed_allowed, block=block, scale=scale), torch_ops, repeats=repeats)
-        where = "AMX" if cpu_attention.amx_available() else "AVX512-BF16"
+        where = "AMX" if cpu_attention.amx_available() else cpu_kernel_isa()
         print(f"{f'bf16 prefill attention, {length}-token chunk ({where})':>52} {kernel * 1e3:>10.2f} "
               f"{reference * 1e3:>9.2f} {reference / kernel:>7.1f}x")
     if cpu_moe.available():
@@ -191,7 +192,7 @@ def cpu_kernels_suite(repeats: int, smoke: bool) -> None:
         tiles = cpu_attention.amx_available()
         kernels = [(cpu_moe.moe_few, "bf16 MoE", (1,) if smoke else (1, 8, 32))]
         if not smoke:
-            kernels.append((partial(cpu_moe.moe_blocks, tiles=tiles), f"bf16 MoE on {'AMX' if tiles else 'AVX512'}",
+            kernels.append((partial(cpu_moe.moe_blocks, tiles=tiles), f"bf16 MoE on {'AMX' if tiles else cpu_kernel_isa()}",
                             (32, 512) if tiles else (128, 512)))
         for moe_kernel, name, counts in kernels:
             for tokens in counts:

@@ -25,10 +25,16 @@ def cpu_has_fast_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
 
 
-def cpu_has_avx512_bf16() -> bool:
-    """Whether this CPU has AVX512-BF16's dot products of bf16 pairs into fp32 (a Zen 4, a Xeon since
-    Cooper Lake): the CPU kernels of dsv4/kernels/cpu_library.py (attention, decode MoE) run on it."""
-    return "avx512_bf16" in _cpu_flags()
+def cpu_kernel_isa() -> str | None:
+    """The vector instructions the CPU kernels (dsv4/kernels/cpu_library.py) are built for here:
+    "avx512_bf16" (AVX-512 with bf16 pair products: a Zen 4, a Xeon since Cooper Lake), else "avx2"
+    (with FMA: most x86 CPUs since 2013, a Zen 2 or 3 among them), else None (they do not run)."""
+    flags = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
+        return "avx512_bf16"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return None
 
 
 def cpu_has_amx_bf16() -> bool:

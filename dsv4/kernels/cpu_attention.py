@@ -1,9 +1,9 @@
-"""The CPU path's attention as C kernels on AVX512-BF16:
+"""The CPU path's attention as C kernels (AVX512-BF16 or AVX2, cpu_library):
 - `band_attention`: the whole attention of prefill chunks' query blocks (dsv4.model.attention.
   banded_sink_attention) for a bf16 model, the logits' products exact on the CPU's bf16 units (bf16
   pairs summed in fp32); the same sums as fp32 arithmetic, in another order. On AMX tiles
   (cpu/band_amx.c) the softmax weights are split into three bf16 pieces that sum to them exactly, so
-  that the value products are exact on the tiles too; on AVX512-BF16 alone (cpu/band_dots.c) the
+  that the value products are exact on the tiles too; without them (cpu/band_dots.c) the
   value products are fp32 FMAs, and only the columns some query of a work item attends to are
   computed. The latter takes an fp32 model's attention too, its logits as fp32 FMAs;
 - `decode_attention` (cpu/attention.c): the whole attention of decode tokens over their rings and
@@ -38,7 +38,7 @@ def amx_available() -> bool:
 
 def tiles_read(dim: int, blocks: int, block: int) -> bool:
     """Whether `band_attention` on AMX tiles reads a group of `blocks` blocks of `block` queries of
-    head dim `dim` (the AVX512-BF16 kernel reads any of even `dim`)."""
+    head dim `dim` (the other kernel, cpu/band_dots.c, reads any of even `dim`)."""
     return dim % 32 == 0 and (blocks == 1 or block % 16 == 0)
 
 
@@ -51,8 +51,8 @@ def band_attention(q: torch.Tensor, rows: torch.Tensor, raw_allowed: torch.Tenso
     rows at or past R zero; raw_allowed [B, N, Q, K] bool) and the compressed rows (compressed
     [B, C, D] bf16, compressed_allowed [B, N, Q, C] bool), sink [H] -> [B, L, H, D] bf16: what
     `banded_sink_attention` computes from the same bf16 values, rounded to bf16 (the blocks' queries
-    past L are never computed). On AMX tiles where this CPU has them (`tiles`, default: then), else on
-    AVX512-BF16 (cpu/band_dots.c), which reads every layout `tiles_read` does not require, and fp32
+    past L are never computed). On AMX tiles where this CPU has them (`tiles`, default: then), else as
+    bf16 pair products (cpu/band_dots.c), which reads every layout `tiles_read` does not require, and fp32
     operands too (q, rows and compressed fp32 -> fp32)."""
     tiles = amx_available() if tiles is None else tiles
     batch, length, heads, dim = q.shape

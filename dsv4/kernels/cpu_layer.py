@@ -1,4 +1,4 @@
-"""A decoder layer of a decode step's few tokens as one C call (cpu/layer.c), on AVX512-BF16: the attention's
+"""A decoder layer of a decode step's few tokens as one C call (cpu/layer.c; on AVX512-BF16 or AVX2, cpu_library): the attention's
 mHC mix, its projections, the compressors' feeds, the ring write, the attention and its exit, the MoE's
 mix and the MoE (and in a step's first layer its tokens' embedding, in its last the head), through the
 kernels the model otherwise calls one at a time (cpu_mhc, cpu_project, cpu_compressor, cpu_attention,

@@ -1,4 +1,4 @@
-"""The mHC mix between two sublayers (dsv4.model.mhc.mix) as one C kernel on AVX512 (cpu/mhc.c), for
+"""The mHC mix between two sublayers (dsv4.model.mhc.mix) as one C kernel (cpu/mhc.c; AVX512 or AVX2), for
 fp32 or bf16 streams: each token's streams read once and mixed, normalised, collapsed and normed while
 they are in cache, the 4x4 Sinkhorn as vector code over four tokens at once. The same math in fp32 as `mix`, rounded into the
 streams' dtype where it rounds; its oracle is `mix` (its test runs both against float64)."""

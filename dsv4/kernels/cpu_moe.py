@@ -1,7 +1,7 @@
-"""The MoE as C kernels on AVX512-BF16: `moe_few` (cpu/moe.c) for a decode step's tokens, of a bf16 model
+"""The MoE as C kernels (AVX512-BF16 or AVX2, cpu_library): `moe_few` (cpu/moe.c) for a decode step's tokens, of a bf16 model
 or an fp32 one whose weights hold bf16 values (read from bf16 copies, widened exactly as they are read),
 and `moe_blocks` (cpu/moe_blocks.c) for any number of a bf16 model's tokens, in blocks of 16 picks, on
-AMX tiles or AVX512-BF16 alone: after the routing and sort (dsv4.model.moe.dispatch, or `route` for a
+AMX tiles or as bf16 pair products (AVX512-BF16's, or AVX2's widened): after the routing and sort (dsv4.model.moe.dispatch, or `route` for a
 decode step's few tokens), each expert's weights and the shared expert's read where they lie, against
 their picks, rounded where dsv4.model.moe.grouped rounds. Their oracles are `grouped` and `dispatch`
 (their tests run the kernels against `grouped` and float64, and `route` against `dispatch`)."""
@@ -117,8 +117,8 @@ def moe_blocks(x: torch.Tensor, tokens: torch.Tensor, places: torch.Tensor, ends
                keep: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor | None,
                shared_w2: torch.Tensor | None, *, swiglu_limit: float, tiles: bool) -> torch.Tensor:
     """`moe_few`'s result for a bf16 x of any number of tokens, in blocks of 16 picks, with the products on
-    AMX tiles (`tiles`: cpu/moe_amx.c, where cpu_attention.amx_available()) or as AVX512-BF16 dot
-    products: the hidden size and the experts' widths multiples of 32."""
+    AMX tiles (`tiles`: cpu/moe_amx.c, where cpu_attention.amx_available()) or as bf16 pair
+    products (AVX512-BF16's, or AVX2's widened): the hidden size and the experts' widths multiples of 32."""
     inter, hidden = w2.shape[-1], x.shape[-1]
     widths = (hidden, inter) + (() if shared_w2 is None else (shared_w2.shape[-1],))
     if x.dtype != torch.bfloat16 or any(width % 32 for width in widths):

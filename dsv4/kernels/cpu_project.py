@@ -1,4 +1,4 @@
-"""The attention's projections of a decode step's few tokens as C kernels on AVX512-BF16 (cpu/project.c),
+"""The attention's projections of a decode step's few tokens as C kernels (cpu/project.c; AVX512-BF16 or AVX2),
 for a bf16 model or an fp32 one whose weights hold bf16 values (read from bf16 copies, widened exactly
 as they are read): every weight read once where it lies against all of the tokens, the norms and
 rotations done while the rows are in cache, rounded where the torch code rounds.

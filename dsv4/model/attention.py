@@ -15,7 +15,7 @@ raw rows and the rows this chunk just compressed included, exactly as the refere
 With `kernels` (on CUDA), the indexer's selection, the attention and the compressors' inserts run
 as the dispatcher's ops (`dsv4.kernels.dispatch`: Triton on CUDA tensors) over the whole batch,
 reading the pools directly; the torch code above is the CPU path, where a bf16 model's prefill
-attention runs as a C kernel on a CPU with AVX512-BF16 (on AMX tiles where it has them), and so does
+attention runs as a C kernel on a CPU with AVX512-BF16 or AVX2 (on AMX tiles where it has them), and so does
 the attention of decode tokens (dsv4/kernels/cpu_attention.py).
 """
 
@@ -97,7 +97,7 @@ class PagedAttention:
         self.input_weights = (torch.cat(inputs), self.q_norm, self.wq_b, self.kv_norm)
         # On the CPU: a bf16 model's prefill attention on the CPU's bf16 units (`bf16_logits`: the whole
         # attention as one kernel; its queries and rows hold bf16 values); a model that stores its rows in its own dtype (bf16 or fp32), its decode
-        # tokens' attention as the AVX512-BF16 CPU's kernel that reads them in place
+        # tokens' attention as the CPU's kernel that reads them in place
         # (dsv4/kernels/cpu_attention.py): at 32 decodes of `small` in bf16, 1.2 ms a layer against
         # 6.4..7.3 for the gather and the eager attention; in a step against the compiled attention, 32
         # decodes: bf16 40.6 against 53.0 ms, fp32 72 against 80; one: bf16 8.2 against 9.8, fp32 7.8 against 8.9.
@@ -106,7 +106,7 @@ class PagedAttention:
                            and bf16_logits() is not None)
         self.decode_kernel = (on_cpu and _PLAIN_ROW_DTYPES.get(pools.main_format) == dtype
                               and dtype in (torch.bfloat16, torch.float32) and cpu_attention.available())
-        # an fp32 model's prefill attention as the AVX512-BF16 CPU's kernel too, its logits fp32 FMAs
+        # an fp32 model's prefill attention as the CPU's kernel too, its logits fp32 FMAs
         self.fp32_band_kernel = on_cpu and dtype == torch.float32 and cpu_attention.available()
         self.scale = softmax_scale(cfg)
         # The projections of decode steps of up to cpu_project.KERNEL_TOKENS tokens as the C kernels
@@ -279,8 +279,8 @@ class PagedAttention:
 
     def _band_kernel(self, group: AttentionGroup) -> str | None:
         """How the group's attention runs as one C kernel (`cpu_attention.band_attention`): for a bf16
-        model's bf16 values, "tiles" on AMX tiles in the layouts they read, else "dots" on the
-        AVX512-BF16 units (where `bf16_logits` says either; a 256-token chunk of `small`'s layer on a
+        model's bf16 values, "tiles" on AMX tiles in the layouts they read, else "dots" as bf16 pair
+        products (AVX512-BF16's, or AVX2's widened; where `bf16_logits` says either; a 256-token chunk of `small`'s layer on a
         Zen 5: 2.0 ms against 4.2 for the torch ops around the logits' kernel, with 64 compressed rows
         2.9 against 7.5); "dots" for an fp32 model's values (`fp32_band_kernel`: two 256-token chunks
         of `small` on a Zen 5, the attention 133 -> 52 ms a forward); None: the torch ops of
@@ -288,7 +288,7 @@ class PagedAttention:
         path = bf16_logits() if self.exact_bf16 else None
         if path == "amx" and cpu_attention.tiles_read(self.cfg.head_dim, group.band_allowed.shape[1], group.block):
             return "tiles"
-        dots = path in ("amx", "avx512_bf16") or self.fp32_band_kernel
+        dots = path in ("amx", "dots") or self.fp32_band_kernel
         return "dots" if dots and self.cfg.head_dim % 2 == 0 else None
 
     def _attend_decodes(self, group: AttentionGroup, q: torch.Tensor, raw_rows: torch.Tensor, positions: torch.Tensor,
@@ -527,17 +527,17 @@ def bf16_logits() -> str | None:
       AVX512-BF16 for the layouts the tiles do not read (`PagedAttention._band_kernel`);
     - "onednn" with AMX where the kernels are not built: `banded_sink_attention` with oneDNN's fp32
       matmuls on bf16 products for the logits (their matmuls took a third of the time);
-    - "avx512_bf16" with AVX512-BF16 alone (a Zen 4 or 5), where oneDNN copies the operands to convert
-      them (a 256-token bf16 prefill of `small` took 235 ms against 227 in fp32, interleaved, 7 each): the
-      whole attention as one kernel on AVX512-BF16 (`cpu_attention.band_attention`, built on the first
-      call)."""
+    - "dots" without AMX where the kernels run (AVX512-BF16 alone, a Zen 4 or 5, where oneDNN copies the
+      operands to convert them: a 256-token bf16 prefill of `small` took 235 ms against 227 in fp32,
+      interleaved, 7 each; or AVX2, whose kernels widen the bf16 pairs): the whole attention as one kernel
+      of bf16 pair products (`cpu_attention.band_attention`, built on the first call)."""
     if cpu_has_amx_bf16():
         path = "amx" if cpu_attention.amx_available() else "onednn"
     else:
-        path = "avx512_bf16" if cpu_attention.available() else None
+        path = "dots" if cpu_attention.available() else None
     log.info("a bf16 model's prefill attention runs %s", {
         "amx": "on AMX tiles (dsv4/kernels/cpu_attention.py)", "onednn": "with its logits on AMX (oneDNN's bf16 products)",
-        "avx512_bf16": "on AVX512-BF16 (dsv4/kernels/cpu_attention.py)", None: "in fp32"}[path])
+        "dots": "as the CPU kernels' bf16 pair products (dsv4/kernels/cpu_attention.py)", None: "in fp32"}[path])
     return path
 
 

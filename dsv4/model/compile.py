@@ -4,7 +4,7 @@ Why: on the CPU a decode step is dominated by per-op overhead, not arithmetic. T
 much of a layer's small ops:
 - `mix` (dsv4.model.mhc): between two sublayers, the last one's output is written into the streams
   and the next one's input collapsed from them (4x4 mixing matrices normalised by 20 Sinkhorn
-  iterations of row and column sums) and normed; on an AVX512-BF16 CPU a C kernel instead, for fp32
+  iterations of row and column sums) and normed; on a CPU whose C kernels run (AVX512-BF16 or AVX2) a C kernel instead, for fp32
   and bf16 models (dsv4/kernels/cpu_mhc.py: a c=1 fp32 decode step of `small` in process 13.8..16 ->
   10.8 ms, a 32 x 256-token bf16 prefill 3.63 -> 3.19 s), and no package is compiled for it;
 - `project_inputs` (dsv4.model.attention): every projection of the attention's input, the query and
@@ -29,8 +29,8 @@ much of a layer's small ops:
   weights;
 - for forwards of at most `ops.FEW_TOKENS` tokens (decode steps), the whole MoE (`moe_few`,
   dsv4.model.moe.few, one per routing kind), which reads each pick's expert where it lies with
-  `ops.row_linear` (a c=1 decode step's MoE of `small` took 1.8 against 7.1 ms); on an AVX512-BF16
-  CPU a bf16 model, or an fp32 one whose weights hold bf16 values, runs C kernels instead (routing
+  `ops.row_linear` (a c=1 decode step's MoE of `small` took 1.8 against 7.1 ms); on a CPU whose C
+  kernels run a bf16 model, or an fp32 one whose weights hold bf16 values, runs C kernels instead (routing
   and MoE) in forwards of up to `cpu_moe.KERNEL_TOKENS` tokens, and a bf16 model runs the MoE of
   longer forwards in blocks of 16 picks (on a CPU with AMX, on its tiles, forwards of any size), after
   the dispatch package past that many (dsv4/kernels/cpu_moe.py; its `moe_few` packages, and the projections'

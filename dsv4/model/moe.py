@@ -3,7 +3,7 @@ every expert runs over its tokens in one grouped matmul per projection (`F.group
 up projections fused, then the down projection), and the results are summed back; each expert's rows
 are padded with zero rows to a multiple of GROUP_ROWS, so its matmuls come in a few shapes. For the
 few tokens of a decode step, compiled, `few` reads each pick's expert in place instead (no sort, no
-grouped matmul); on a CPU with AVX512-BF16, the forwards of up to cpu_moe.KERNEL_TOKENS tokens of a bf16
+grouped matmul); on a CPU whose C kernels run (AVX512-BF16 or AVX2), the forwards of up to cpu_moe.KERNEL_TOKENS tokens of a bf16
 model (or of an fp32 one whose weights hold bf16 values, from bf16 copies of them) run the same sums
 as one C kernel instead, and a bf16 model's longer forwards run them in blocks of 16 picks (on a CPU
 with AMX tiles, on the tiles, forwards of any size; dsv4/kernels/cpu_moe.py), each after the routing
@@ -72,7 +72,7 @@ class GroupedMoE:
         # widths allow: on AMX tiles where the CPU has them, and they take the decode steps too (ms a layer
         # of `small` against the kernel above / the grouped matmuls, eager routing included: 1 token 0.35
         # / 0.37, 32 tokens 0.78 / 1.54, 128 tokens 1.19 / 2.32 grouped, 512 tokens 2.84 / 4.65 grouped),
-        # else on AVX512-BF16 (a Zen 5, kernel and eager routing against the eager grouped MoE: 64 tokens 0.52
+        # else as bf16 pair products (AVX512-BF16 on a Zen 5, kernel and eager routing against the eager grouped MoE: 64 tokens 0.52
         # against 1.0, 512 tokens 2.6 against 3.0)
         widths = (self.w13.shape[-1], self.w2.shape[-1]) + (() if self.shared[1] is None else (self.shared[1].shape[-1],))
         self.routing = {**dispatch_constants(cfg, self.experts), "group_rows": GROUP_ROWS}  # (cpu_moe.routed's)

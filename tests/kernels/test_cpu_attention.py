@@ -1,6 +1,6 @@
-"""The AVX512-BF16 attention kernels (dsv4/kernels/cpu_attention.py) over sweeps of shapes (head dims
-and key counts off their 32- and 16-wide steps): the band attention, on AMX tiles and on AVX512-BF16
-alone (and in fp32 there), against the model's attention in float64, with bands off their 32-wide steps, blocks that
+"""The CPU attention kernels (dsv4/kernels/cpu_attention.py) over sweeps of shapes (head dims
+and key counts off their 32- and 16-wide steps): the band attention, on AMX tiles and as bf16 pair products
+(and in fp32 there), against the model's attention in float64, with bands off their 32-wide steps, blocks that
 overrun the chunk, source rows that end before the last band (read as zeros), random masks and the
 masks the model's plan builds (a prompt's first chunk, whose early blocks see few of their band's rows,
 and a later one), one thread against several; the decode attention against the model's torch op,
@@ -13,7 +13,7 @@ from dsv4.kernels import cpu_attention
 from dsv4.model.attention import banded_sink_attention, decode_sink_attention
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(),
-                                reason="this CPU has no AVX512-BF16 (or no C compiler builds the kernel)")
+                                reason="the CPU kernels do not run here (no AVX512-BF16 or AVX2, or no C compiler)")
 
 needs_amx = pytest.mark.skipif(not cpu_attention.amx_available(), reason="this CPU has no AMX tiles for bf16")
 

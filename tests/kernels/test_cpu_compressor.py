@@ -10,7 +10,7 @@ from dsv4.kernels.rows import pack_index_rows
 from dsv4.model import compressor
 from dsv4.model.ops import Rope
 
-pytestmark = pytest.mark.skipif(not cpu_compressor.available(), reason="the CPU lacks AVX512-BF16 or a C compiler")
+pytestmark = pytest.mark.skipif(not cpu_compressor.available(), reason="the CPU kernels do not run here (no AVX512-BF16 or AVX2, or no C compiler)")
 
 
 def torch_feed(projected, positions, ape, state, plan):

@@ -7,7 +7,7 @@ import torch
 from dsv4.kernels import cpu_mhc
 from dsv4.model import mhc
 
-pytestmark = pytest.mark.skipif(not cpu_mhc.available(), reason="the CPU lacks AVX512-BF16 or a C compiler")
+pytestmark = pytest.mark.skipif(not cpu_mhc.available(), reason="the CPU kernels do not run here (no AVX512-BF16 or AVX2, or no C compiler)")
 
 CONSTANTS = {"sinkhorn_iters": 20, "hc_eps": 1e-6, "norm_eps": 1e-6}
 
@@ -67,6 +67,19 @@ def test_one_thread_equals_two(tokens, dtype):
         torch.set_num_threads(before)
     for a, b in zip(one, two, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_mixes_alike_in_any_group(dtype):
+    """Each token's bits are the same whether it is mixed alone, in a pair or in a group of four (the kernel
+    sums one token's, two tokens' or four tokens' logits at once, in runs of as many mixes as fit the
+    registers): 7 tokens (a group of four and a short one of three) against each one alone, and pairs."""
+    args = inputs_of(11, 7, 4, 512, dtype)
+    together = cpu_mhc.mix(*args, n=4, **CONSTANTS)
+    for first, count in [(i, 1) for i in range(7)] + [(0, 2), (4, 2), (5, 2)]:
+        part = cpu_mhc.mix(*(t[first:first + count] for t in args[:4]), *args[4:], n=4, **CONSTANTS)
+        for name, a, b in zip(("streams", "x", "post", "comb"), part, together, strict=True):
+            assert torch.equal(a, b[first:first + count]), (name, first, count)
 
 
 def test_refuses_what_it_cannot_compute():

@@ -9,7 +9,7 @@ import torch
 from dsv4.kernels import cpu_attention, cpu_moe
 from dsv4.model import moe
 
-pytestmark = pytest.mark.skipif(not cpu_moe.available(), reason="the CPU lacks AVX512-BF16 or a C compiler")
+pytestmark = pytest.mark.skipif(not cpu_moe.available(), reason="the CPU kernels do not run here (no AVX512-BF16 or AVX2, or no C compiler)")
 
 LIMIT = 7.0
 

@@ -9,7 +9,7 @@ from dsv4.kernels import cpu_project
 from dsv4.model import attention
 from dsv4.model.ops import linear, rms_norm, rotate_
 
-pytestmark = pytest.mark.skipif(not cpu_project.available(), reason="the CPU lacks AVX512-BF16 or a C compiler")
+pytestmark = pytest.mark.skipif(not cpu_project.available(), reason="the CPU kernels do not run here (no AVX512-BF16 or AVX2, or no C compiler)")
 
 # (tokens, hidden, width of w_input, q_lora_rank, head_dim, heads, RoPE dims, wo groups, o_lora_rank):
 # small's shapes; widths off the kernels' 16 and 32 lanes; a window layer's input (no compressor part)

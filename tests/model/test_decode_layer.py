@@ -20,7 +20,7 @@ from dsv4.kernels import cpu_layer
 from dsv4.protocol import ForwardBatch, ForwardChunk
 from dsv4.weights import load_state_dict
 
-pytestmark = pytest.mark.skipif(not cpu_layer.available(), reason="the CPU's AVX512-BF16 kernels are not available")
+pytestmark = pytest.mark.skipif(not cpu_layer.available(), reason="the CPU kernels do not run here (no AVX512-BF16 or AVX2, or no C compiler)")
 
 PAGE = 128
 PROMPTS = (56, 40, 61)  # the three requests' prompt lengths

@@ -1,8 +1,8 @@
-/* decode_attention: the CPU path's attention of decode tokens on AVX512-BF16
+/* decode_attention: the CPU path's attention of decode tokens, AVX512-BF16 or AVX2 (simd.h)
  * (dsv4/kernels/cpu_attention.py; prefill chunks' attention: band_amx.c, band_dots.c). Where the
  * operands hold bf16 values, every product q[d] * k[d] is exact in fp32: those dot products run as
  * vdpbf16ps (pairs of bf16 products summed into fp32 lanes), the same sums as fp32 arithmetic in
- * another order, at twice the fp32 rate of this CPU's FMA units. Softmaxes and value products are fp32.
+ * another order, at twice the fp32 rate of the FMA units on AVX512-BF16. Softmaxes and value products are fp32.
  *
  * The whole attention of decode tokens, one query each, over their rings and
  * compressed rows, read where they lie in the pools; bf16 or fp32 (then the logits are FMAs): the 16
@@ -31,109 +31,117 @@ enum { D_B, D_H, D_D, D_W, D_C, D_FP32, D_SLOT, D_RING_ROW, D_PAGE, D_PAGE_ROW, 
 #define INLINE static inline __attribute__((always_inline))
 
 /* 16 elements of a row from `at` (first `n` of them) as fp32. */
-INLINE __m512 load16(const void *at, int64_t n, const int fp32) {
-  const __mmask16 m = first_lanes(n > 0 ? n : 0);
-  if (fp32) return _mm512_maskz_loadu_ps(m, at);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, at)), 16));
+INLINE m512 load16(const void *at, int64_t n, const int fp32) {
+  const mmask16 m = first_lanes(n > 0 ? n : 0);
+  if (fp32) return mm512_maskz_loadu_ps(m, at);
+  return mm512_castsi512_ps(mm512_slli_epi32(mm512_cvtepu16_epi32(mm256_maskz_loadu_epi16(m, at)), 16));
 }
 
 /* Heads h0 .. h0 + 16 of q [H][D] interleaved: packed[step] holds that word of each head (a pair of
  * bf16 dims, or one fp32 dim); `steps` words a row. */
 INLINE void pack_heads(const void *q, int64_t h0, int64_t heads, int64_t D, int64_t steps, uint32_t *packed,
                        const int fp32) {
-  const __m512i at_head = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32((int)steps));
+  const m512i at_head = mm512_mullo_epi32(mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             mm512_set1_epi32((int)steps));
   const uint32_t *words = (const uint32_t *)((const char *)q + h0 * D * (fp32 ? 4 : 2));
   for (int64_t d = 0; d < steps; d++)
-    _mm512_store_si512((void *)(packed + d * 16), _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), first_lanes(heads),
+    mm512_store_si512((void *)(packed + d * 16), mm512_mask_i32gather_epi32(mm512_setzero_si512(), first_lanes(heads),
                                                                                at_head, (const void *)(words + d), 4));
 }
 
-INLINE __m512 word_product(__m512 acc, __m512i heads_word, __m512i word, const int fp32) {
-  return fp32 ? _mm512_fmadd_ps(_mm512_castsi512_ps(heads_word), _mm512_castsi512_ps(word), acc)
-              : _mm512_dpbf16_ps(acc, (__m512bh)heads_word, (__m512bh)word);
+INLINE m512 word_product(m512 acc, m512i heads_word, m512i word, const int fp32) {
+  return fp32 ? mm512_fmadd_ps(mm512_castsi512_ps(heads_word), mm512_castsi512_ps(word), acc)
+              : mm512_dpbf16_ps(acc, heads_word, word);
 }
 
-/* logits[k] (the 16 heads' scaled logits, one register) for the keys first .. last: 8 keys at a time,
- * each key's words broadcast against the heads'. */
+/* Keys whose logits key_logits sums at once (a sum each, the heads' word and a key's word besides in
+ * registers) and, in weighted_values, the vectors of 16 dims of a chunk (each of 4 heads' sums) */
+enum { LOGIT_KEYS = VECTOR_REGISTERS >= 32 ? 8 : 4, VALUE_VECTORS = VECTOR_REGISTERS >= 32 ? 4 : 1 };
+
+/* logits[k] (the 16 heads' scaled logits, one register) for the keys first .. last: LOGIT_KEYS keys at a
+ * time, each key's words broadcast against the heads'. */
 INLINE void key_logits(const uint32_t *packed, const void **seen, int64_t first, int64_t last, int64_t steps,
                        float scale, float *logits, const int fp32) {
   int64_t k = first;
-  for (; k + 8 <= last; k += 8) {
-    __m512 acc[8];
-    const uint32_t *key[8];
-    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps(), key[i] = (const uint32_t *)seen[k + i];
-    /* the next 8 keys' rows asked for a line at a time as these are read (each a different page) */
-    const char *next[8];
-    for (int i = 0; i < 8; i++) next[i] = k + 8 + i < last ? (const char *)seen[k + 8 + i] : (const char *)key[i];
+  for (; k + LOGIT_KEYS <= last; k += LOGIT_KEYS) {
+    m512 acc[LOGIT_KEYS];
+    const uint32_t *key[LOGIT_KEYS];
+    for (int i = 0; i < LOGIT_KEYS; i++) acc[i] = mm512_setzero_ps(), key[i] = (const uint32_t *)seen[k + i];
+    /* the next keys' rows asked for a line at a time as these are read (each a different page) */
+    const char *next[LOGIT_KEYS];
+    for (int i = 0; i < LOGIT_KEYS; i++)
+      next[i] = k + LOGIT_KEYS + i < last ? (const char *)seen[k + LOGIT_KEYS + i] : (const char *)key[i];
     for (int64_t d = 0; d < steps; d++) {
       if (d % 16 == 0)
-        for (int i = 0; i < 8; i++) _mm_prefetch(next[i] + d * 4, _MM_HINT_T0);
-      const __m512i heads_word = _mm512_load_si512((const void *)(packed + d * 16));
+        for (int i = 0; i < LOGIT_KEYS; i++) _mm_prefetch(next[i] + d * 4, _MM_HINT_T0);
+      const m512i heads_word = mm512_load_si512((const void *)(packed + d * 16));
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; i++) acc[i] = word_product(acc[i], heads_word, _mm512_set1_epi32((int)key[i][d]), fp32);
+      for (int i = 0; i < LOGIT_KEYS; i++)
+        acc[i] = word_product(acc[i], heads_word, mm512_set1_epi32((int)key[i][d]), fp32);
     }
-    for (int i = 0; i < 8; i++) _mm512_store_ps(logits + (k + i) * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+    for (int i = 0; i < LOGIT_KEYS; i++)
+      mm512_store_ps(logits + (k + i) * 16, mm512_mul_ps(acc[i], mm512_set1_ps(scale)));
   }
   for (; k < last; k++) {
-    __m512 acc = _mm512_setzero_ps();
+    m512 acc = mm512_setzero_ps();
     const uint32_t *key = (const uint32_t *)seen[k];
     for (int64_t d = 0; d < steps; d++)
-      acc = word_product(acc, _mm512_load_si512((const void *)(packed + d * 16)), _mm512_set1_epi32((int)key[d]), fp32);
-    _mm512_store_ps(logits + k * 16, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
+      acc = word_product(acc, mm512_load_si512((const void *)(packed + d * 16)), mm512_set1_epi32((int)key[d]), fp32);
+    mm512_store_ps(logits + k * 16, mm512_mul_ps(acc, mm512_set1_ps(scale)));
   }
 }
 
-static inline __m512 logits_peak(const float *logits, int64_t count, __m512 peak) {
-  for (int64_t k = 0; k < count; k++) peak = _mm512_max_ps(peak, _mm512_load_ps(logits + k * 16));
+static inline m512 logits_peak(const float *logits, int64_t count, m512 peak) {
+  for (int64_t k = 0; k < count; k++) peak = mm512_max_ps(peak, mm512_load_ps(logits + k * 16));
   return peak;
 }
 
 /* The keys first .. last's logits replaced by their weights exp(logit - peak); returns their sum. */
-static inline __m512 key_weights(float *logits, int64_t first, int64_t last, __m512 peak) {
-  __m512 sum = _mm512_setzero_ps();
+static inline m512 key_weights(float *logits, int64_t first, int64_t last, m512 peak) {
+  m512 sum = mm512_setzero_ps();
   for (int64_t k = first; k < last; k++) {
-    const __m512 weight = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(logits + k * 16), peak));
-    _mm512_store_ps(logits + k * 16, weight);
-    sum = _mm512_add_ps(sum, weight);
+    const m512 weight = exp_nonpositive(mm512_sub_ps(mm512_load_ps(logits + k * 16), peak));
+    mm512_store_ps(logits + k * 16, weight);
+    sum = mm512_add_ps(sum, weight);
   }
   return sum;
 }
 
-/* out's rows of heads h0 .. h0 + heads, in the 64-dim chunks first_chunk, first_chunk + stride, ...:
+/* out's rows of heads h0 .. h0 + heads, in the chunks of CHUNK dims first_chunk, first_chunk + stride, ...:
  * the weighted sum over the keys (weights[k]: one register of the 16 heads') times inverse[head], in
- * fp32, 4 heads x 64 dims in 16 registers. */
+ * fp32, 4 heads x CHUNK dims in registers. */
 INLINE void weighted_values(const void **seen, int64_t count, const float *weights, const float *inverse, void *out,
                             int64_t h0, int64_t heads, int64_t D, int64_t first_chunk, int64_t stride, const int fp32) {
+  enum { CHUNK = 16 * VALUE_VECTORS };
   const int64_t size = fp32 ? 4 : 2;
   for (int64_t h = 0; h < heads; h += 4) {
     const int64_t hs = heads - h < 4 ? heads - h : 4;
-    for (int64_t d0 = first_chunk * 64; d0 < D; d0 += stride * 64) {
-      __m512 acc[4][4];
+    for (int64_t d0 = first_chunk * CHUNK; d0 < D; d0 += stride * CHUNK) {
+      m512 acc[4][VALUE_VECTORS];
       for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < VALUE_VECTORS; j++) acc[i][j] = mm512_setzero_ps();
       const int64_t left = D - d0;
       for (int64_t k = 0; k < count; k++) {
         const char *v = (const char *)seen[k] + d0 * size;
-        __m512 values[4];
-        for (int j = 0; j < 4; j++) values[j] = load16(v + 16 * j * size, left - 16 * j, fp32);
+        m512 values[VALUE_VECTORS];
+        for (int j = 0; j < VALUE_VECTORS; j++) values[j] = load16(v + 16 * j * size, left - 16 * j, fp32);
         const float *w = weights + k * 16 + h;
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
-          const __m512 wi = _mm512_set1_ps(w[i]);
-          for (int j = 0; j < 4; j++) acc[i][j] = _mm512_fmadd_ps(wi, values[j], acc[i][j]);
+          const m512 wi = mm512_set1_ps(w[i]);
+          for (int j = 0; j < VALUE_VECTORS; j++) acc[i][j] = mm512_fmadd_ps(wi, values[j], acc[i][j]);
         }
       }
       /* (constant bounds, the conditions inside: acc stays in registers, not spilled at every key) */
 #pragma GCC unroll 4
       for (int i = 0; i < 4; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < VALUE_VECTORS; j++) {
           if (i >= hs || 16 * j >= left) continue;
-          const __m512 result = _mm512_mul_ps(acc[i][j], _mm512_set1_ps(inverse[h + i]));
+          const m512 result = mm512_mul_ps(acc[i][j], mm512_set1_ps(inverse[h + i]));
           const int64_t at = (h0 + h + i) * D + d0 + 16 * j;
-          if (fp32) _mm512_mask_storeu_ps((float *)out + at, first_lanes(left - 16 * j), result);
-          else _mm256_mask_storeu_epi16((uint16_t *)out + at, first_lanes(left - 16 * j), (__m256i)_mm512_cvtneps_pbh(result));
+          if (fp32) mm512_mask_storeu_ps((float *)out + at, first_lanes(left - 16 * j), result);
+          else mm256_mask_storeu_epi16((uint16_t *)out + at, first_lanes(left - 16 * j), mm512_cvtneps_pbh(result));
         }
     }
   }
@@ -157,19 +165,19 @@ INLINE void decode_token(const void *q, const void **seen, int64_t count, const 
     if (team_size > 1) {
 #pragma omp barrier
     }
-    const __m512 sinks = _mm512_maskz_loadu_ps(first_lanes(heads), sink + h0);
-    const __m512 peak = logits_peak(logits, count, sinks);
+    const m512 sinks = mm512_maskz_loadu_ps(first_lanes(heads), sink + h0);
+    const m512 peak = logits_peak(logits, count, sinks);
     if (team_size > 1) {
 #pragma omp barrier
     }
-    _mm512_storeu_ps(partial + t * 16, key_weights(logits, first, last, peak));
+    mm512_storeu_ps(partial + t * 16, key_weights(logits, first, last, peak));
     if (team_size > 1) {
 #pragma omp barrier
     }
-    __m512 denominator = exp_nonpositive(_mm512_sub_ps(sinks, peak));
-    for (int i = 0; i < team_size; i++) denominator = _mm512_add_ps(denominator, _mm512_loadu_ps(partial + i * 16));
+    m512 denominator = exp_nonpositive(mm512_sub_ps(sinks, peak));
+    for (int i = 0; i < team_size; i++) denominator = mm512_add_ps(denominator, mm512_loadu_ps(partial + i * 16));
     float inverse[16];
-    _mm512_storeu_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), denominator));
+    mm512_storeu_ps(inverse, mm512_div_ps(mm512_set1_ps(1.0f), denominator));
     weighted_values(seen, count, logits, inverse, out, h0, heads, D, t, team_size, fp32);
     if (team_size > 1) { /* (the next head group rewrites the shared logits) */
 #pragma omp barrier

@@ -1,4 +1,4 @@
-/* What the two band attention kernels share (band_amx.c on AMX tiles, band_dots.c on AVX512-BF16):
+/* What the two band attention kernels share (band_amx.c on AMX tiles, band_dots.c as bf16 pair products):
  * their arguments' layout and the softmax's masking. */
 #pragma once
 
@@ -22,15 +22,15 @@ enum {
 
 /* Scales and masks a row's logits in [first, first + count) (columns `allowed` marks), -inf past them
  * up to `end`; returns the running peak. */
-static inline __m512 mask_logits(float *row, int64_t first, int64_t count, int64_t end, const uint8_t *allowed,
-                                 float scale, __m512 peak) {
+static inline m512 mask_logits(float *row, int64_t first, int64_t count, int64_t end, const uint8_t *allowed,
+                                 float scale, m512 peak) {
   for (int64_t i = 0; i < end - first; i += 16) {
-    const __mmask16 lanes = first_lanes(count - i > 0 ? count - i : 0);
-    const __mmask16 keep = _mm_mask_cmpneq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, allowed + i), _mm_setzero_si128());
-    const __m512 v = _mm512_mask_mul_ps(_mm512_set1_ps(-__builtin_inff()), keep, _mm512_loadu_ps(row + first + i),
-                                        _mm512_set1_ps(scale));
-    _mm512_storeu_ps(row + first + i, v);
-    peak = _mm512_max_ps(peak, v);
+    const mmask16 lanes = first_lanes(count - i > 0 ? count - i : 0);
+    const mmask16 keep = mm_mask_cmpneq_epi8_mask(lanes, mm_maskz_loadu_epi8(lanes, allowed + i), _mm_setzero_si128());
+    const m512 v = mm512_mask_mul_ps(mm512_set1_ps(-__builtin_inff()), keep, mm512_loadu_ps(row + first + i),
+                                        mm512_set1_ps(scale));
+    mm512_storeu_ps(row + first + i, v);
+    peak = mm512_max_ps(peak, v);
   }
   return peak;
 }

@@ -1,7 +1,7 @@
 /* band_attention_dots: the whole sink attention of prefill chunks' query blocks over their bands of
- * raw rows and the compressed rows, for a bf16 model on a CPU with AVX512-BF16 and no AMX tiles (a
- * Zen 4 or 5; band_amx.c is the tiles' version, with the same arguments and results), and for an fp32
- * model on any AVX512-BF16 CPU (p[A_FP32]: its logits are fp32 FMAs, strips of 16 keys' dims, the
+ * raw rows and the compressed rows, for a bf16 model on a CPU without AMX tiles (AVX512-BF16, a Zen 4
+ * or 5, or AVX2, simd.h; band_amx.c is the tiles' version, with the same arguments and results), and for
+ * an fp32 model on any CPU the kernels run on (p[A_FP32]: its logits are fp32 FMAs, strips of 16 keys' dims, the
  * rest alike). Its oracle is dsv4.model.attention.banded_sink_attention.
  *
  * The queries and rows hold bf16 values, so the logits' products are exact as vdpbf16ps (bf16 pairs
@@ -69,18 +69,18 @@ static void pack_block(const Shared *s, int64_t b, int64_t n, Scratch *scratch) 
   for (int64_t c = 0; c < s->cols; c += STRIP) {
     const int compressed = c >= s->raw_cols;
     const int64_t stride = compressed ? p[A_COMP_C] : p[A_ROW_R];
-    __mmask16 present = 0;
-    for (int i = 0; i < STRIP; i++) present |= (__mmask16)((column_row(s, b, n, c + i) != NULL) << i);
+    mmask16 present = 0;
+    for (int i = 0; i < STRIP; i++) present |= (mmask16)((column_row(s, b, n, c + i) != NULL) << i);
     uint32_t *strip = scratch->strips + c / STRIP * words * STRIP;
     const char *first = column_row(s, b, n, c);
     if (first == NULL) { /* (a strip's present columns are its first ones) */
       memset(strip, 0, (size_t)words * STRIP * 4);
     } else {
-      const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32((int)(stride * s->size)));
+      const m512i at = mm512_mullo_epi32(mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            mm512_set1_epi32((int)(stride * s->size)));
       for (int64_t d = 0; d < words; d++)
-        _mm512_storeu_si512((void *)(strip + d * STRIP),
-                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, at, first + 4 * d, 1));
+        mm512_storeu_si512((void *)(strip + d * STRIP),
+                            mm512_mask_i32gather_epi32(mm512_setzero_si512(), present, at, first + 4 * d, 1));
     }
     for (int i = 0; i < STRIP; i++) {
       const char *row = column_row(s, b, n, c + i);
@@ -90,8 +90,8 @@ static void pack_block(const Shared *s, int64_t b, int64_t n, Scratch *scratch) 
         continue;
       }
       for (int64_t d = 0; d < D; d += 16) {
-        const __mmask16 lanes = first_lanes(D - d);
-        _mm512_mask_storeu_ps(value + d, lanes, load_row(row, d, !s->fp32, lanes));
+        const mmask16 lanes = first_lanes(D - d);
+        mm512_mask_storeu_ps(value + d, lanes, load_row(row, d, !s->fp32, lanes));
       }
     }
   }
@@ -101,26 +101,26 @@ static void pack_block(const Shared *s, int64_t b, int64_t n, Scratch *scratch) 
  * [c, c + STRIP * strips) of `words` words a key. */
 INLINE void logit_tile(const uint32_t *const *queries, const uint32_t *strip, int64_t words, int strips, const int fp32,
                        float *out, int64_t cols) {
-  __m512 acc[LOGIT_ROWS][2];
-  for (int r = 0; r < LOGIT_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  m512 acc[LOGIT_ROWS][2];
+  for (int r = 0; r < LOGIT_ROWS; r++) acc[r][0] = acc[r][1] = mm512_setzero_ps();
   for (int64_t d = 0; d < words; d++) {
-    const __m512i k0 = _mm512_loadu_si512((const void *)(strip + d * STRIP));
-    const __m512i k1 = strips == 2 ? _mm512_loadu_si512((const void *)(strip + (words + d) * STRIP)) : k0;
+    const m512i k0 = mm512_loadu_si512((const void *)(strip + d * STRIP));
+    const m512i k1 = strips == 2 ? mm512_loadu_si512((const void *)(strip + (words + d) * STRIP)) : k0;
 #pragma GCC unroll 8
     for (int r = 0; r < LOGIT_ROWS; r++) {
-      const __m512i a = _mm512_set1_epi32((int)queries[r][d]);
+      const m512i a = mm512_set1_epi32((int)queries[r][d]);
       if (fp32) {
-        acc[r][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(k0), acc[r][0]);
-        if (strips == 2) acc[r][1] = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(k1), acc[r][1]);
+        acc[r][0] = mm512_fmadd_ps(mm512_castsi512_ps(a), mm512_castsi512_ps(k0), acc[r][0]);
+        if (strips == 2) acc[r][1] = mm512_fmadd_ps(mm512_castsi512_ps(a), mm512_castsi512_ps(k1), acc[r][1]);
       } else {
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, (__m512bh)k0);
-        if (strips == 2) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)a, (__m512bh)k1);
+        acc[r][0] = mm512_dpbf16_ps(acc[r][0], a, k0);
+        if (strips == 2) acc[r][1] = mm512_dpbf16_ps(acc[r][1], a, k1);
       }
     }
   }
   for (int r = 0; r < LOGIT_ROWS; r++) {
-    _mm512_storeu_ps(out + r * cols, acc[r][0]);
-    if (strips == 2) _mm512_storeu_ps(out + r * cols + STRIP, acc[r][1]);
+    mm512_storeu_ps(out + r * cols, acc[r][0]);
+    if (strips == 2) mm512_storeu_ps(out + r * cols + STRIP, acc[r][1]);
   }
 }
 
@@ -129,25 +129,25 @@ INLINE void logit_tile(const uint32_t *const *queries, const uint32_t *strip, in
 INLINE void value_tile(const float *weights, const float *values, const float *denom, int64_t cols,
                        const int64_t (*spans)[2], int64_t D, int64_t d, int rows, int vectors, int fp32,
                        void *const *out) {
-  __m512 acc[VALUE_ROWS][4];
+  m512 acc[VALUE_ROWS][4];
   for (int r = 0; r < VALUE_ROWS; r++)
-    for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < 4; v++) acc[r][v] = mm512_setzero_ps();
   for (int span = 0; span < 2; span++)
     for (int64_t c = spans[span][0]; c < spans[span][1]; c++) {
-      __m512 value[4];
-      for (int v = 0; v < vectors; v++) value[v] = _mm512_loadu_ps(values + c * D + d + 16 * v);
+      m512 value[4];
+      for (int v = 0; v < vectors; v++) value[v] = mm512_loadu_ps(values + c * D + d + 16 * v);
 #pragma GCC unroll 4
       for (int r = 0; r < VALUE_ROWS; r++) {
-        const __m512 w = _mm512_set1_ps(weights[r * cols + c]);
-        for (int v = 0; v < vectors; v++) acc[r][v] = _mm512_fmadd_ps(w, value[v], acc[r][v]);
+        const m512 w = mm512_set1_ps(weights[r * cols + c]);
+        for (int v = 0; v < vectors; v++) acc[r][v] = mm512_fmadd_ps(w, value[v], acc[r][v]);
       }
     }
   for (int r = 0; r < rows; r++)
     for (int v = 0; v < vectors; v++) {
-      const __mmask16 lanes = first_lanes(D - d - 16 * v);
-      const __m512 result = _mm512_div_ps(acc[r][v], _mm512_set1_ps(denom[r]));
-      if (fp32) _mm512_mask_storeu_ps((float *)out[r] + d + 16 * v, lanes, result);
-      else _mm256_mask_storeu_epi16((uint16_t *)out[r] + d + 16 * v, lanes, (__m256i)_mm512_cvtneps_pbh(result));
+      const mmask16 lanes = first_lanes(D - d - 16 * v);
+      const m512 result = mm512_div_ps(acc[r][v], mm512_set1_ps(denom[r]));
+      if (fp32) mm512_mask_storeu_ps((float *)out[r] + d + 16 * v, lanes, result);
+      else mm256_mask_storeu_epi16((uint16_t *)out[r] + d + 16 * v, lanes, mm512_cvtneps_pbh(result));
     }
 }
 
@@ -241,22 +241,22 @@ static void run_item(const Shared *s, const Item *it, Scratch *scratch) {
     const float sink = s->sink[(m0 + r) % H];
     float *row = scratch->weights + r * cols;
     const int64_t raw_first = spans[0][0], comp_first = spans[1][0] - s->raw_cols;
-    __m512 peak = mask_logits(row, raw_first, p[A_K] - raw_first, spans[0][1],
-                              raw_allowed + query * p[A_RA_J] + raw_first, s->scale, _mm512_set1_ps(sink));
+    m512 peak = mask_logits(row, raw_first, p[A_K] - raw_first, spans[0][1],
+                              raw_allowed + query * p[A_RA_J] + raw_first, s->scale, mm512_set1_ps(sink));
     if (spans[1][1] > spans[1][0])
       peak = mask_logits(row, spans[1][0], p[A_C] - comp_first, spans[1][1],
                          comp_allowed + query * p[A_CA_J] + comp_first, s->scale, peak);
-    const float top = _mm512_reduce_max_ps(peak);
-    peak = _mm512_set1_ps(top);
-    __m512 sum = _mm512_setzero_ps();
+    const float top = mm512_reduce_max_ps(peak);
+    peak = mm512_set1_ps(top);
+    m512 sum = mm512_setzero_ps();
     for (int span = 0; span < 2; span++)
       for (int64_t c = spans[span][0]; c < spans[span][1]; c += 16) {
-        const __m512 w = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + c), peak));
-        _mm512_storeu_ps(row + c, w);
-        sum = _mm512_add_ps(sum, w);
+        const m512 w = exp_nonpositive(mm512_sub_ps(mm512_loadu_ps(row + c), peak));
+        mm512_storeu_ps(row + c, w);
+        sum = mm512_add_ps(sum, w);
       }
-    const __m512 sink_term = exp_nonpositive(_mm512_set1_ps(sink - top));
-    scratch->denom[r] = _mm512_reduce_add_ps(sum) + _mm_cvtss_f32(_mm512_castps512_ps128(sink_term));
+    const m512 sink_term = exp_nonpositive(mm512_set1_ps(sink - top));
+    scratch->denom[r] = mm512_reduce_add_ps(sum) + _mm_cvtss_f32(mm512_castps512_ps128(sink_term));
   }
   for (int64_t m = 0; m < valid; m += VALUE_ROWS) {
     const int count = valid - m < VALUE_ROWS ? (int)(valid - m) : VALUE_ROWS;

@@ -37,6 +37,7 @@ static inline float load_at(const void *base, int64_t i, int fp32) {
 }
 
 enum { BLOCK = 8 }; /* the most rows that share each load of a weight */
+enum { DOT_ROWS = VECTOR_REGISTERS >= 32 ? BLOCK : 4 }; /* the most rows whose sums dots_n keeps at once */
 /* How far ahead of its loads a stream of weight rows asks for each of their lines, non-temporal: the
  * hardware's prefetchers stop at every 4 KB page, this does not (`small`'s decode projections at one token,
  * 12 layers in a loop: 416..448 us a layer against 534..564), and the weights, read once a step, do not
@@ -53,68 +54,68 @@ enum { PREFETCH_BYTES = 8192 };
  * N independent sums (a constant where it is inlined, so that they stay in registers). */
 static inline __attribute__((always_inline)) void dots_n(const uint16_t *w, const uint16_t *const *rows, const int N,
                                                          int64_t n, float *out) {
-  __m512 acc[BLOCK];
-  for (int j = 0; j < N; j++) acc[j] = _mm512_setzero_ps();
+  m512 acc[BLOCK];
+  for (int j = 0; j < N; j++) acc[j] = mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 32) {
-    const __mmask32 m = n - i >= 32 ? 0xffffffffu : (__mmask32)((1u << (n - i)) - 1);
+    const mmask32 m = n - i >= 32 ? 0xffffffffu : (mmask32)((1u << (n - i)) - 1);
     _mm_prefetch((const char *)(w + i) + PREFETCH_BYTES, _MM_HINT_NTA);
-    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + i);
-    for (int j = 0; j < N; j++) acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_maskz_loadu_epi16(m, rows[j] + i), wv);
+    const m512i wv = mm512_maskz_loadu_epi16(m, w + i);
+    for (int j = 0; j < N; j++) acc[j] = mm512_dpbf16_ps(acc[j], mm512_maskz_loadu_epi16(m, rows[j] + i), wv);
   }
-  for (int j = 0; j < N; j++) out[j] = _mm512_reduce_add_ps(acc[j]);
+  for (int j = 0; j < N; j++) out[j] = mm512_reduce_add_ps(acc[j]);
 }
 
 /* dots_n with fp32 rows: each 16 weights widened (exactly) once for all N rows' FMAs */
 static inline __attribute__((always_inline)) void dots_n_fp32(const uint16_t *w, const float *const *rows, const int N,
                                                               int64_t n, float *out) {
-  __m512 acc[BLOCK];
-  for (int j = 0; j < N; j++) acc[j] = _mm512_setzero_ps();
+  m512 acc[BLOCK];
+  for (int j = 0; j < N; j++) acc[j] = mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = first_lanes(n - i);
+    const mmask16 m = first_lanes(n - i);
     _mm_prefetch((const char *)(w + i) + PREFETCH_BYTES, _MM_HINT_NTA);
-    const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + i)), 16));
-    for (int j = 0; j < N; j++) acc[j] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, rows[j] + i), acc[j]);
+    const m512 wv = mm512_castsi512_ps(mm512_slli_epi32(mm512_cvtepu16_epi32(mm256_maskz_loadu_epi16(m, w + i)), 16));
+    for (int j = 0; j < N; j++) acc[j] = mm512_fmadd_ps(wv, mm512_maskz_loadu_ps(m, rows[j] + i), acc[j]);
   }
-  for (int j = 0; j < N; j++) out[j] = _mm512_reduce_add_ps(acc[j]);
+  for (int j = 0; j < N; j++) out[j] = mm512_reduce_add_ps(acc[j]);
 }
 
 /* dots_n and dots_n_fp32 of one row, in four sums of every fourth vector: one sum alone waits out the
  * latency of each FMA (a one-token decode step's products were bound by it, not by the memory) */
 static inline float dot_1(const uint16_t *w, const uint16_t *row, int64_t n) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  m512 acc[4] = {mm512_setzero_ps(), mm512_setzero_ps(), mm512_setzero_ps(), mm512_setzero_ps()};
   int64_t i = 0;
   for (; i + 128 <= n; i += 128) {
     for (int c = 0; c < 4; c++) _mm_prefetch((const char *)(w + i + 32 * c) + PREFETCH_BYTES, _MM_HINT_NTA);
     for (int c = 0; c < 4; c++)
-      acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_loadu_epi16(row + i + 32 * c),
-                                (__m512bh)_mm512_loadu_epi16(w + i + 32 * c));
+      acc[c] = mm512_dpbf16_ps(acc[c], mm512_loadu_epi16(row + i + 32 * c),
+                                mm512_loadu_epi16(w + i + 32 * c));
   }
   for (; i < n; i += 32) {
-    const __mmask32 m = n - i >= 32 ? 0xffffffffu : (__mmask32)((1u << (n - i)) - 1);
-    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_maskz_loadu_epi16(m, row + i),
-                              (__m512bh)_mm512_maskz_loadu_epi16(m, w + i));
+    const mmask32 m = n - i >= 32 ? 0xffffffffu : (mmask32)((1u << (n - i)) - 1);
+    acc[0] = mm512_dpbf16_ps(acc[0], mm512_maskz_loadu_epi16(m, row + i),
+                              mm512_maskz_loadu_epi16(m, w + i));
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+  return mm512_reduce_add_ps(mm512_add_ps(mm512_add_ps(acc[0], acc[1]), mm512_add_ps(acc[2], acc[3])));
 }
 
 static inline float dot_1_fp32(const uint16_t *w, const float *row, int64_t n) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  m512 acc[4] = {mm512_setzero_ps(), mm512_setzero_ps(), mm512_setzero_ps(), mm512_setzero_ps()};
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
     _mm_prefetch((const char *)(w + i) + PREFETCH_BYTES, _MM_HINT_NTA);
     _mm_prefetch((const char *)(w + i + 32) + PREFETCH_BYTES, _MM_HINT_NTA);
     for (int c = 0; c < 4; c++) {
-      const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+      const m512 wv = mm512_castsi512_ps(mm512_slli_epi32(mm512_cvtepu16_epi32(_mm256_loadu_si256(
           (const __m256i *)(w + i + 16 * c))), 16));
-      acc[c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(row + i + 16 * c), acc[c]);
+      acc[c] = mm512_fmadd_ps(wv, mm512_loadu_ps(row + i + 16 * c), acc[c]);
     }
   }
   for (; i < n; i += 16) {
-    const __mmask16 m = first_lanes(n - i);
-    const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + i)), 16));
-    acc[0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, row + i), acc[0]);
+    const mmask16 m = first_lanes(n - i);
+    const m512 wv = mm512_castsi512_ps(mm512_slli_epi32(mm512_cvtepu16_epi32(mm256_maskz_loadu_epi16(m, w + i)), 16));
+    acc[0] = mm512_fmadd_ps(wv, mm512_maskz_loadu_ps(m, row + i), acc[0]);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+  return mm512_reduce_add_ps(mm512_add_ps(mm512_add_ps(acc[0], acc[1]), mm512_add_ps(acc[2], acc[3])));
 }
 
 /* dots_n (or dots_n_fp32, `fp32`) over count <= BLOCK rows, in runs of a constant number of them (so
@@ -128,8 +129,8 @@ static inline void dots(const uint16_t *w, const void *const *rows, int count, i
 #define RUN(N) (fp32 ? dots_n_fp32(w, (const float *const *)rows + j, N, n, out + j) \
                      : dots_n(w, (const uint16_t *const *)rows + j, N, n, out + j))
   for (int j = 0, run; j < count; j += run) {
-    run = count - j == BLOCK ? BLOCK : count - j >= 4 ? 4 : count - j >= 2 ? 2 : 1;
-    if (run == BLOCK) RUN(BLOCK);
+    run = count - j == DOT_ROWS ? DOT_ROWS : count - j >= 4 ? 4 : count - j >= 2 ? 2 : 1;
+    if (run == DOT_ROWS) RUN(DOT_ROWS);
     else if (run == 4) RUN(4);
     else if (run == 2) RUN(2);
     else RUN(1);
@@ -141,25 +142,25 @@ static inline void dots(const uint16_t *w, const void *const *rows, int count, i
 static inline float as_model(float v, int fp32) { return fp32 ? v : from_bf16(to_bf16(v)); }
 
 /* m's lanes of base[i..i+16), bf16 (else fp32) values, as fp32 */
-static inline __m512 load_row(const void *base, int64_t i, int bf16, __mmask16 m) {
+static inline m512 load_row(const void *base, int64_t i, int bf16, mmask16 m) {
   if (bf16)
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i)), 16));
-  return _mm512_maskz_loadu_ps(m, (const float *)base + i);
+    return mm512_castsi512_ps(
+        mm512_slli_epi32(mm512_cvtepu16_epi32(mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i)), 16));
+  return mm512_maskz_loadu_ps(m, (const float *)base + i);
 }
 
 /* v rounded into the model's dtype (to nearest even, as torch rounds), stored, and returned as read back */
-static inline __m512 store_row(void *base, int64_t i, int bf16, __mmask16 m, __m512 v) {
+static inline m512 store_row(void *base, int64_t i, int bf16, mmask16 m, m512 v) {
   if (!bf16) {
-    _mm512_mask_storeu_ps((float *)base + i, m, v);
+    mm512_mask_storeu_ps((float *)base + i, m, v);
     return v;
   }
-  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-  _mm256_mask_storeu_epi16((uint16_t *)base + i, m, h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  const __m256i h = mm512_cvtneps_pbh(v);
+  mm256_mask_storeu_epi16((uint16_t *)base + i, m, h);
+  return mm512_castsi512_ps(mm512_slli_epi32(mm512_cvtepu16_epi32(h), 16));
 }
 
 /* v as the model's dtype holds it (bf16: rounded, else as it is) */
-static inline __m512 round_row(__m512 v, int bf16) {
-  return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16)) : v;
+static inline m512 round_row(m512 v, int bf16) {
+  return bf16 ? mm512_castsi512_ps(mm512_slli_epi32(mm512_cvtepu16_epi32(mm512_cvtneps_pbh(v)), 16)) : v;
 }

@@ -31,27 +31,27 @@ static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
  * the same place in the four. The sums are added in pairs rather than in order, and exp is
  * exp_nonpositive's (within 2 ulp of expf). */
 static void sinkhorn4(float *const c[GROUP], int iters, float eps) {
-  const __m512 e = _mm512_set1_ps(eps);
-  __m512 v[GROUP], tmp;
-#define ROW_SUMS(x) (tmp = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1))), \
-                     _mm512_add_ps(tmp, _mm512_permute_ps(tmp, _MM_SHUFFLE(1, 0, 3, 2))))
-#define COLUMN_SUMS(x) (tmp = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1))), \
-                        _mm512_add_ps(tmp, _mm512_shuffle_f32x4(tmp, tmp, _MM_SHUFFLE(1, 0, 3, 2))))
+  const m512 e = mm512_set1_ps(eps);
+  m512 v[GROUP], tmp;
+#define ROW_SUMS(x) (tmp = mm512_add_ps(x, mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1))), \
+                     mm512_add_ps(tmp, mm512_permute_ps(tmp, _MM_SHUFFLE(1, 0, 3, 2))))
+#define COLUMN_SUMS(x) (tmp = mm512_add_ps(x, mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1))), \
+                        mm512_add_ps(tmp, mm512_shuffle_f32x4(tmp, tmp, _MM_SHUFFLE(1, 0, 3, 2))))
   for (int t = 0; t < GROUP; t++) {
-    v[t] = _mm512_loadu_ps(c[t]);
-    __m512 peak = _mm512_max_ps(v[t], _mm512_permute_ps(v[t], _MM_SHUFFLE(2, 3, 0, 1)));
-    peak = _mm512_max_ps(peak, _mm512_permute_ps(peak, _MM_SHUFFLE(1, 0, 3, 2)));
-    v[t] = exp_nonpositive(_mm512_sub_ps(v[t], peak));
-    v[t] = _mm512_add_ps(_mm512_div_ps(v[t], ROW_SUMS(v[t])), e);
+    v[t] = mm512_loadu_ps(c[t]);
+    m512 peak = mm512_max_ps(v[t], mm512_permute_ps(v[t], _MM_SHUFFLE(2, 3, 0, 1)));
+    peak = mm512_max_ps(peak, mm512_permute_ps(peak, _MM_SHUFFLE(1, 0, 3, 2)));
+    v[t] = exp_nonpositive(mm512_sub_ps(v[t], peak));
+    v[t] = mm512_add_ps(mm512_div_ps(v[t], ROW_SUMS(v[t])), e);
   }
   for (int pass = 0; pass < iters; pass++)
     for (int t = 0; t < GROUP; t++) {
-      if (pass > 0) v[t] = _mm512_div_ps(v[t], _mm512_add_ps(ROW_SUMS(v[t]), e));
-      v[t] = _mm512_div_ps(v[t], _mm512_add_ps(COLUMN_SUMS(v[t]), e));
+      if (pass > 0) v[t] = mm512_div_ps(v[t], mm512_add_ps(ROW_SUMS(v[t]), e));
+      v[t] = mm512_div_ps(v[t], mm512_add_ps(COLUMN_SUMS(v[t]), e));
     }
 #undef ROW_SUMS
 #undef COLUMN_SUMS
-  for (int t = 0; t < GROUP; t++) _mm512_storeu_ps(c[t], v[t]);
+  for (int t = 0; t < GROUP; t++) mm512_storeu_ps(c[t], v[t]);
 }
 
 /* Row softmax (+eps), then alternating column / row normalisation (`iters` column passes), in place:
@@ -86,47 +86,77 @@ static inline __attribute__((always_inline)) void expand(const void *streams, co
   const int64_t width = n * hidden;
   const float *token_post = post + token * n, *token_comb = comb + token * n * n;
   for (int64_t h = 0; h < hidden; h += 16) {
-    const __mmask16 m = first_lanes(hidden - h);
-    __m512 old[MAX_STREAMS];
+    const mmask16 m = first_lanes(hidden - h);
+    m512 old[MAX_STREAMS];
     for (int64_t i = 0; i < n; i++) old[i] = load_row(streams, (token * n + i) * hidden + h, bf16, m);
-    const __m512 out = load_row(output, token * hidden + h, bf16, m);
+    const m512 out = load_row(output, token * hidden + h, bf16, m);
     for (int64_t j = 0; j < n; j++) {
-      __m512 mixed = _mm512_mul_ps(_mm512_set1_ps(token_comb[j]), old[0]);
-      for (int64_t i = 1; i < n; i++) mixed = _mm512_add_ps(mixed, _mm512_mul_ps(_mm512_set1_ps(token_comb[i * n + j]), old[i]));
-      const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(token_post[j]), out), mixed);
-      _mm512_mask_storeu_ps(normed + j * hidden + h, m, store_row(streams_out, (token * n + j) * hidden + h, bf16, m, v));
+      m512 mixed = mm512_mul_ps(mm512_set1_ps(token_comb[j]), old[0]);
+      for (int64_t i = 1; i < n; i++) mixed = mm512_add_ps(mixed, mm512_mul_ps(mm512_set1_ps(token_comb[i * n + j]), old[i]));
+      const m512 v = mm512_add_ps(mm512_mul_ps(mm512_set1_ps(token_post[j]), out), mixed);
+      mm512_mask_storeu_ps(normed + j * hidden + h, m, store_row(streams_out, (token * n + j) * hidden + h, bf16, m, v));
     }
   }
-  const __m512 r = _mm512_set1_ps(1.0f / sqrtf(sum_squares(normed, width) / (float)width + norm_eps));
+  const m512 r = mm512_set1_ps(1.0f / sqrtf(sum_squares(normed, width) / (float)width + norm_eps));
   for (int64_t i = 0; i < width; i += 16) {
-    const __mmask16 m = first_lanes(width - i);
-    _mm512_mask_storeu_ps(normed + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, normed + i), r));
+    const mmask16 m = first_lanes(width - i);
+    mm512_mask_storeu_ps(normed + i, m, mm512_mul_ps(mm512_maskz_loadu_ps(m, normed + i), r));
   }
 }
 
+/* Sums a loop over the rows of mix_block keeps in registers, beside the rows it holds */
+enum { MIX_SUMS = VECTOR_REGISTERS >= 32 ? 16 : 4 };
+
+/* sums[b][t] = weights[b] . x_rows[t] for B mixes and N tokens (constants where inlined, B * N <= MIX_SUMS):
+ * the fewer of the two kinds of row held, each vector of the other loaded as it is used */
+static inline __attribute__((always_inline)) void mix_sums(const float *const *weights, const float *const *x_rows,
+                                                           const int B, const int N, int64_t width,
+                                                           float (*sums)[GROUP]) {
+  m512 acc[MIX_BLOCK][GROUP];
+  for (int b = 0; b < B; b++)
+    for (int t = 0; t < N; t++) acc[b][t] = mm512_setzero_ps();
+  for (int64_t i = 0; i < width; i += 16) {
+    const mmask16 m = first_lanes(width - i);
+    if (N <= B) {
+      m512 x[GROUP];
+      for (int t = 0; t < N; t++) x[t] = mm512_maskz_loadu_ps(m, x_rows[t] + i);
+      for (int b = 0; b < B; b++) {
+        const m512 w = mm512_maskz_loadu_ps(m, weights[b] + i);
+        for (int t = 0; t < N; t++) acc[b][t] = mm512_fmadd_ps(w, x[t], acc[b][t]);
+      }
+    } else {
+      m512 w[MIX_BLOCK];
+      for (int b = 0; b < B; b++) w[b] = mm512_maskz_loadu_ps(m, weights[b] + i);
+      for (int t = 0; t < N; t++) {
+        const m512 x = mm512_maskz_loadu_ps(m, x_rows[t] + i);
+        for (int b = 0; b < B; b++) acc[b][t] = mm512_fmadd_ps(w[b], x, acc[b][t]);
+      }
+    }
+  }
+  for (int b = 0; b < B; b++)
+    for (int t = 0; t < N; t++) sums[b][t] = mm512_reduce_add_ps(acc[b][t]);
+}
+
+/* mix_sums of MIX_BLOCK mixes and N tokens (a constant where inlined), in runs of as many mixes as fit */
+static inline __attribute__((always_inline)) void mix_runs(const float *const *weights, const float *const *x_rows,
+                                                           const int N, int64_t width, float (*sums)[GROUP]) {
+  const int B = MIX_SUMS / N < MIX_BLOCK ? MIX_SUMS / N : MIX_BLOCK;
+  for (int b0 = 0; b0 < MIX_BLOCK; b0 += B) mix_sums(weights + b0, x_rows, B, N, width, sums + b0);
+}
+
 /* Mixes k0 .. k0 + MIX_BLOCK - 1's logits (base + scale * fn @ normed) of `count` <= GROUP tokens (`rows`:
- * their normed streams) into logits[t][k]: GROUP tokens' sums in registers, each load shared by four sums
- * (a short group repeats its last token and a short block its last mix, whose sums are dropped) */
+ * their normed streams) into logits[t][k]: one token's or two tokens' sums alone, three's or four's as four
+ * (a short group repeats its last token and a short block its last mix, whose sums are dropped), every
+ * sum of a run in registers, each load shared by the run's sums */
 static inline __attribute__((always_inline)) void mix_block(const float *fn, const float *base, const float *scale, const float *const *rows, int64_t count,
                       int k0, int mixes, int64_t width, float (*logits)[MAX_MIXES]) {
   const float *weights[MIX_BLOCK], *x_rows[GROUP];
   for (int b = 0; b < MIX_BLOCK; b++) weights[b] = fn + (int64_t)(k0 + b < mixes ? k0 + b : mixes - 1) * width;
   for (int t = 0; t < GROUP; t++) x_rows[t] = rows[t < count ? t : count - 1];
-  __m512 acc[MIX_BLOCK][GROUP];
-  for (int b = 0; b < MIX_BLOCK; b++)
-    for (int t = 0; t < GROUP; t++) acc[b][t] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < width; i += 16) {
-    const __mmask16 m = first_lanes(width - i);
-    __m512 x[GROUP];
-    for (int t = 0; t < GROUP; t++) x[t] = _mm512_maskz_loadu_ps(m, x_rows[t] + i);
-    for (int b = 0; b < MIX_BLOCK; b++) {
-      const __m512 w = _mm512_maskz_loadu_ps(m, weights[b] + i);
-      for (int t = 0; t < GROUP; t++) acc[b][t] = _mm512_fmadd_ps(w, x[t], acc[b][t]);
-    }
-  }
   float sums[MIX_BLOCK][GROUP];
-  for (int b = 0; b < MIX_BLOCK; b++)
-    for (int t = 0; t < GROUP; t++) sums[b][t] = _mm512_reduce_add_ps(acc[b][t]);
+  if (count == 1) mix_runs(weights, x_rows, 1, width, sums);
+  else if (count == 2) mix_runs(weights, x_rows, 2, width, sums);
+  else mix_runs(weights, x_rows, GROUP, width, sums);
   for (int b = 0; b < MIX_BLOCK && k0 + b < mixes; b++)
     for (int64_t t = 0; t < count; t++) logits[t][k0 + b] = base[k0 + b] + sums[b][t] * scale[k0 + b];
 }
@@ -152,16 +182,16 @@ static inline __attribute__((always_inline)) void finish_group(float (*logits)[M
     for (int64_t k = 0; k < n * n; k++) comb_out[token * n * n + k] = logits[t][2 * n + k];
     float *x = scratch + t * hidden; /* x as rounded into the streams' dtype */
     for (int64_t h = 0; h < hidden; h += 16) {
-      const __mmask16 m = first_lanes(hidden - h);
-      __m512 sum = _mm512_mul_ps(_mm512_set1_ps(pre[0]), load_row(streams_out, token * n * hidden + h, bf16, m));
+      const mmask16 m = first_lanes(hidden - h);
+      m512 sum = mm512_mul_ps(mm512_set1_ps(pre[0]), load_row(streams_out, token * n * hidden + h, bf16, m));
       for (int64_t i = 1; i < n; i++)
-        sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_set1_ps(pre[i]), load_row(streams_out, (token * n + i) * hidden + h, bf16, m)));
-      _mm512_mask_storeu_ps(x + h, m, round_row(sum, bf16));
+        sum = mm512_add_ps(sum, mm512_mul_ps(mm512_set1_ps(pre[i]), load_row(streams_out, (token * n + i) * hidden + h, bf16, m)));
+      mm512_mask_storeu_ps(x + h, m, round_row(sum, bf16));
     }
-    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(sum_squares(x, hidden) / (float)hidden + norm_eps));
+    const m512 r = mm512_set1_ps(1.0f / sqrtf(sum_squares(x, hidden) / (float)hidden + norm_eps));
     for (int64_t h = 0; h < hidden; h += 16) {
-      const __mmask16 m = first_lanes(hidden - h);
-      const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + h), r), _mm512_maskz_loadu_ps(m, norm + h));
+      const mmask16 m = first_lanes(hidden - h);
+      const m512 v = mm512_mul_ps(mm512_mul_ps(mm512_maskz_loadu_ps(m, x + h), r), mm512_maskz_loadu_ps(m, norm + h));
       store_row(x_out, token * hidden + h, bf16, m, v);
     }
   }

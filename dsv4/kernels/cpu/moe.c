@@ -1,5 +1,5 @@
-/* The MoE of a decode step's tokens (up to cpu_moe.KERNEL_TOKENS) on AVX512-BF16
- * (dsv4/kernels/cpu_moe.py), for a bf16 model, or an fp32 one whose weights hold bf16 values: every
+/* The MoE of a decode step's tokens (up to cpu_moe.KERNEL_TOKENS), AVX512-BF16 or AVX2
+ * (simd.h; dsv4/kernels/cpu_moe.py), for a bf16 model, or an fp32 one whose weights hold bf16 values: every
  * routed pick and every token's shared expert read their (bf16) weights where they lie. In bf16, as dot
  * products of bf16 pairs summed in fp32 (vdpbf16ps: exact products, the sums of fp32 arithmetic in
  * another order), rounded into bf16 where the grouped matmuls round (dsv4.model.moe.grouped): the

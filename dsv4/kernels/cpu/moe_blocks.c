@@ -37,13 +37,13 @@ static void pack_block(const uint16_t *const *rows, int64_t count, int64_t width
  * clamp(bf16(up))), as moe.c computes them one at a time (silu as gate * sigmoid(gate), the sigmoid
  * from exp_nonpositive of -|gate|: within a few fp32 ulp of moe.c's gate / (1 + expf(-gate))) */
 static inline __m256i swiglu_units(const float *gates, const float *ups, float limit) {
-  const __m512 top = _mm512_set1_ps(limit), one = _mm512_set1_ps(1.0f);
-  const __m512 gate = _mm512_min_ps(round_row(_mm512_loadu_ps(gates), 1), top);
-  const __m512 up = _mm512_min_ps(_mm512_max_ps(round_row(_mm512_loadu_ps(ups), 1), _mm512_set1_ps(-limit)), top);
-  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gate)));
-  const __mmask16 negative = _mm512_cmp_ps_mask(gate, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(one, negative, e), _mm512_add_ps(one, e));
-  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round_row(_mm512_mul_ps(gate, sigmoid), 1), up));
+  const m512 top = mm512_set1_ps(limit), one = mm512_set1_ps(1.0f);
+  const m512 gate = mm512_min_ps(round_row(mm512_loadu_ps(gates), 1), top);
+  const m512 up = mm512_min_ps(mm512_max_ps(round_row(mm512_loadu_ps(ups), 1), mm512_set1_ps(-limit)), top);
+  const m512 e = exp_nonpositive(mm512_sub_ps(mm512_setzero_ps(), mm512_abs_ps(gate)));
+  const mmask16 negative = mm512_cmp_ps_mask(gate, mm512_setzero_ps(), _CMP_LT_OQ);
+  const m512 sigmoid = mm512_div_ps(mm512_mask_mov_ps(one, negative, e), mm512_add_ps(one, e));
+  return mm512_cvtneps_pbh(mm512_mul_ps(round_row(mm512_mul_ps(gate, sigmoid), 1), up));
 }
 
 int moe_blocks(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, const uint16_t *shared_w13,
@@ -99,9 +99,9 @@ int moe_blocks(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, const
        * the block's picks hold what their zero activations give: never read back) */
       uint32_t *h = packed_h + item / chunks * width / 2 * TILE + i0 / 2 * TILE;
       for (int64_t r = 0; r < TILE; r += 2)
-        _mm512_storeu_si512((void *)(h + r / 2 * TILE),
-                            _mm512_or_si512(_mm512_cvtepu16_epi32(swiglu_units(gates + r * TILE, ups + r * TILE, limit)),
-                                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(swiglu_units(
+        mm512_storeu_si512((void *)(h + r / 2 * TILE),
+                            mm512_or_si512(mm512_cvtepu16_epi32(swiglu_units(gates + r * TILE, ups + r * TILE, limit)),
+                                            mm512_slli_epi32(mm512_cvtepu16_epi32(swiglu_units(
                                                 gates + (r + 1) * TILE, ups + (r + 1) * TILE, limit)), 16)));
     }
     /* pass 2 (after the implied barrier): 16 output rows of every token at a time */
@@ -111,7 +111,7 @@ int moe_blocks(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, const
       float downs[TILE * TILE];
       for (int64_t t = 0; t < n_tok; t++)
         for (int64_t r = 0; r < TILE; r++) out[t * hidden_n + o0 + r] = 0.0f;
-      const __m512i down_column = _mm512_mullo_epi32(_mm512_set1_epi32(TILE), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      const m512i down_column = mm512_mullo_epi32(mm512_set1_epi32(TILE), mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
       for (int64_t b = 0; b < count; b++) {
         const int64_t is_shared = b >= routed_blocks, width_u = is_shared ? shared : inter;
         const uint16_t *w = is_shared ? shared_w2 + o0 * shared : w2 + (blocks[b].source * hidden_n + o0) * inter;
@@ -119,10 +119,10 @@ int moe_blocks(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, const
         products->down(w, width_u, b_h, downs);
         for (int64_t j = 0; j < blocks[b].count; j++) { /* column j: its 16 output rows, rounded, weighted */
           const int64_t pick = blocks[b].first + j, token = is_shared ? pick : tokens[pick];
-          const __m512 weight = _mm512_set1_ps(is_shared ? 1.0f : scale[pick]); /* (x 1: exact) */
-          const __m512 down = round_row(_mm512_i32gather_ps(down_column, downs + j, 4), 1);
+          const m512 weight = mm512_set1_ps(is_shared ? 1.0f : scale[pick]); /* (x 1: exact) */
+          const m512 down = round_row(mm512_i32gather_ps(down_column, downs + j, 4), 1);
           float *row = out + token * hidden_n + o0;
-          _mm512_storeu_ps(row, _mm512_add_ps(_mm512_loadu_ps(row), _mm512_mul_ps(down, weight)));
+          mm512_storeu_ps(row, mm512_add_ps(mm512_loadu_ps(row), mm512_mul_ps(down, weight)));
         }
       }
     }
@@ -132,42 +132,42 @@ int moe_blocks(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, const
   return 0;
 }
 
-/* ---- moe_dots: the products as vdpbf16ps, for a CPU with AVX512-BF16 and no AMX tiles ---------------- */
+/* ---- moe_dots: the products as vdpbf16ps (mm512_dpbf16_ps), for a CPU without AMX tiles ------------- */
 /* Each weight pair is broadcast against the block's pair of 16 picks: a row's 16 sums in one register. */
 
 static void gate_up_dots(const uint16_t *gate_rows, const uint16_t *up_rows, int64_t width, const uint32_t *block,
                          float *gates, float *ups) {
   for (int half = 0; half < 2; half++) { /* 8 gate rows and their 8 up rows at a time: 16 registers */
-    __m512 acc[16];
+    m512 acc[16];
     const int64_t first = half * 8;
-    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < 16; r++) acc[r] = mm512_setzero_ps();
     const uint32_t *g = (const uint32_t *)(gate_rows + first * width), *u = (const uint32_t *)(up_rows + first * width);
     for (int64_t k = 0; k < width / 2; k++) {
-      const __m512bh b = (__m512bh)_mm512_loadu_si512((const void *)(block + k * TILE));
+      const m512i b = mm512_loadu_si512((const void *)(block + k * TILE));
 #pragma GCC unroll 8
       for (int r = 0; r < 8; r++) {
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)g[r * width / 2 + k]), b);
-        acc[8 + r] = _mm512_dpbf16_ps(acc[8 + r], (__m512bh)_mm512_set1_epi32((int)u[r * width / 2 + k]), b);
+        acc[r] = mm512_dpbf16_ps(acc[r], mm512_set1_epi32((int)g[r * width / 2 + k]), b);
+        acc[8 + r] = mm512_dpbf16_ps(acc[8 + r], mm512_set1_epi32((int)u[r * width / 2 + k]), b);
       }
     }
     for (int r = 0; r < 8; r++) {
-      _mm512_storeu_ps(gates + (first + r) * TILE, acc[r]);
-      _mm512_storeu_ps(ups + (first + r) * TILE, acc[8 + r]);
+      mm512_storeu_ps(gates + (first + r) * TILE, acc[r]);
+      mm512_storeu_ps(ups + (first + r) * TILE, acc[8 + r]);
     }
   }
 }
 
 static void down_dots(const uint16_t *rows, int64_t width, const uint32_t *block, float *downs) {
-  __m512 acc[TILE];
-  for (int r = 0; r < TILE; r++) acc[r] = _mm512_setzero_ps();
+  m512 acc[TILE];
+  for (int r = 0; r < TILE; r++) acc[r] = mm512_setzero_ps();
   const uint32_t *pairs = (const uint32_t *)rows;
   for (int64_t k = 0; k < width / 2; k++) {
-    const __m512bh b = (__m512bh)_mm512_loadu_si512((const void *)(block + k * TILE));
+    const m512i b = mm512_loadu_si512((const void *)(block + k * TILE));
 #pragma GCC unroll 16
     for (int r = 0; r < TILE; r++)
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)pairs[r * width / 2 + k]), b);
+      acc[r] = mm512_dpbf16_ps(acc[r], mm512_set1_epi32((int)pairs[r * width / 2 + k]), b);
   }
-  for (int r = 0; r < TILE; r++) _mm512_storeu_ps(downs + r * TILE, acc[r]);
+  for (int r = 0; r < TILE; r++) mm512_storeu_ps(downs + r * TILE, acc[r]);
 }
 
 int moe_dots(const uint16_t *x, const uint16_t *w13, const uint16_t *w2, const uint16_t *shared_w13,

@@ -1,5 +1,5 @@
 /* The attention's projections of a decode step's few tokens (up to BLOCK; dsv4/kernels/cpu_project.py)
- * on AVX512-BF16, for a bf16 model or an fp32 one whose weights hold bf16 values (read from bf16
+ * (AVX512-BF16 or AVX2, simd.h), for a bf16 model or an fp32 one whose weights hold bf16 values (read from bf16
  * copies, widened exactly as they are read): the weights read once, where they lie, against every
  * token (dots.h), with the rounding of the model's dtype where the torch code rounds.
  *
@@ -83,31 +83,31 @@ static void norm_and_rotate(void *row, int64_t n, int fp32, int norm, const floa
   float v[n];
   const int64_t start = norm ? 0 : n - rope; /* (only the rotated dims change) */
   for (int64_t i = start; i < n; i += 16) {
-    const __mmask16 m = first_lanes(n - i);
-    _mm512_mask_storeu_ps(v + i, m, load_row(row, i, !fp32, m));
+    const mmask16 m = first_lanes(n - i);
+    mm512_mask_storeu_ps(v + i, m, load_row(row, i, !fp32, m));
   }
   if (norm) {
-    const __m512 r = _mm512_set1_ps(1.0f / sqrtf(sum_squares(v, n) / (float)n + eps));
+    const m512 r = mm512_set1_ps(1.0f / sqrtf(sum_squares(v, n) / (float)n + eps));
     for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = first_lanes(n - i);
-      __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, v + i), r);
-      if (weight) x = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(m, weight + i));
-      _mm512_mask_storeu_ps(v + i, m, round_row(x, !fp32));
+      const mmask16 m = first_lanes(n - i);
+      m512 x = mm512_mul_ps(mm512_maskz_loadu_ps(m, v + i), r);
+      if (weight) x = mm512_mul_ps(x, mm512_maskz_loadu_ps(m, weight + i));
+      mm512_mask_storeu_ps(v + i, m, round_row(x, !fp32));
     }
   }
-  const __m512 sign = _mm512_set1_ps(inverse ? -1.0f : 1.0f);
+  const m512 sign = mm512_set1_ps(inverse ? -1.0f : 1.0f);
   float *tail = v + n - rope;
   for (int64_t i = 0; i < rope; i += 16) { /* (i even: each pair of dims in two neighbouring lanes) */
-    const __mmask16 m = first_lanes(rope - i);
-    const __m512 x = _mm512_maskz_loadu_ps(m, tail + i);
-    const __m512 swapped = _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1));
-    const __m512 turned = _mm512_mul_ps(swapped, _mm512_maskz_loadu_ps(m, sin2 + i));
-    _mm512_mask_storeu_ps(tail + i, m, _mm512_add_ps(_mm512_mul_ps(x, _mm512_maskz_loadu_ps(m, cos2 + i)),
-                                                     _mm512_mul_ps(sign, turned)));
+    const mmask16 m = first_lanes(rope - i);
+    const m512 x = mm512_maskz_loadu_ps(m, tail + i);
+    const m512 swapped = mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1));
+    const m512 turned = mm512_mul_ps(swapped, mm512_maskz_loadu_ps(m, sin2 + i));
+    mm512_mask_storeu_ps(tail + i, m, mm512_add_ps(mm512_mul_ps(x, mm512_maskz_loadu_ps(m, cos2 + i)),
+                                                     mm512_mul_ps(sign, turned)));
   }
   for (int64_t i = start; i < n; i += 16) {
-    const __mmask16 m = first_lanes(n - i);
-    store_row(row, i, !fp32, m, _mm512_maskz_loadu_ps(m, v + i));
+    const mmask16 m = first_lanes(n - i);
+    store_row(row, i, !fp32, m, mm512_maskz_loadu_ps(m, v + i));
   }
 }
 
@@ -256,25 +256,25 @@ int compressor_store(const float *windows, const float *norm, const float *cos2,
     float weights[span][16];
     uint16_t row[dims * 2]; /* the row in the model's dtype (fp32: two words a value) */
     for (int64_t c = 0; c < dims; c += 16) { /* pooled = sum over slots of softmax(score) * kv, per channel */
-      const __mmask16 m = first_lanes(dims - c);
-      __m512 peak = _mm512_set1_ps(-INFINITY);
+      const mmask16 m = first_lanes(dims - c);
+      m512 peak = mm512_set1_ps(-INFINITY);
       for (int64_t s = 0; s < span; s++) {
         const int64_t column = (overlap && s >= ratio ? dims : 0) + c;
-        peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, slots + s * 2 * width + width + column));
+        peak = mm512_max_ps(peak, mm512_mask_loadu_ps(mm512_set1_ps(-INFINITY), m, slots + s * 2 * width + width + column));
       }
-      __m512 sum = _mm512_setzero_ps();
+      m512 sum = mm512_setzero_ps();
       for (int64_t s = 0; s < span; s++) {
         const int64_t column = (overlap && s >= ratio ? dims : 0) + c;
-        const __m512 score = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, slots + s * 2 * width + width + column);
-        const __m512 e = exp_nonpositive(_mm512_sub_ps(score, peak));
-        _mm512_storeu_ps(weights[s], e);
-        sum = _mm512_add_ps(sum, e);
+        const m512 score = mm512_mask_loadu_ps(mm512_set1_ps(-INFINITY), m, slots + s * 2 * width + width + column);
+        const m512 e = exp_nonpositive(mm512_sub_ps(score, peak));
+        mm512_storeu_ps(weights[s], e);
+        sum = mm512_add_ps(sum, e);
       }
-      __m512 pooled = _mm512_setzero_ps();
+      m512 pooled = mm512_setzero_ps();
       for (int64_t s = 0; s < span; s++) {
         const int64_t column = (overlap && s >= ratio ? dims : 0) + c;
-        const __m512 weight = _mm512_div_ps(_mm512_loadu_ps(weights[s]), sum);
-        pooled = _mm512_add_ps(pooled, _mm512_mul_ps(weight, _mm512_maskz_loadu_ps(m, slots + s * 2 * width + column)));
+        const m512 weight = mm512_div_ps(mm512_loadu_ps(weights[s]), sum);
+        pooled = mm512_add_ps(pooled, mm512_mul_ps(weight, mm512_maskz_loadu_ps(m, slots + s * 2 * width + column)));
       }
       store_row(row, c, !fp32, m, pooled);
     }

@@ -28,12 +28,12 @@ enum { MAX_TOP_K = 64 };
 
 /* x (fp32, or bf16 bits) . gate row (fp32) */
 static float gate_logit(const void *x, const float *gate, int64_t n, int fp32) {
-  __m512 acc = _mm512_setzero_ps();
+  m512 acc = mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = first_lanes(n - i);
-    acc = _mm512_fmadd_ps(load_row(x, i, !fp32, m), _mm512_maskz_loadu_ps(m, gate + i), acc);
+    const mmask16 m = first_lanes(n - i);
+    acc = mm512_fmadd_ps(load_row(x, i, !fp32, m), mm512_maskz_loadu_ps(m, gate + i), acc);
   }
-  return _mm512_reduce_add_ps(acc);
+  return mm512_reduce_add_ps(acc);
 }
 
 /* The row's scores in place: torch's softplus (the logit itself above 20) then its square root, the

@@ -137,8 +137,10 @@ async def test_sigterm_drains_thirty_requests_and_exits_zero(tiny_ckpt, tmp_path
     server = LiveServer(tiny_ckpt, tmp_path / "drain.log", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT))
     with live_servers(server):
         async with aiohttp.ClientSession() as session:
-            # (a forward's first calls cost seconds on a slow CPU: not inside the drain's window)
-            assert await _stream_or_whole(session, server.base, 3) == ("whole", "complete")
+            # (a forward's first calls at a batch's shapes cost seconds on a slow CPU: not inside the drain's
+            # window) thirty 4-token requests at once first, as the drained ones come
+            warm = await asyncio.gather(*(_stream_or_whole(session, server.base, 3 + 6 * i) for i in range(30)))
+            assert set(warm) == {("whole", "complete")}
             clients = [asyncio.create_task(_stream_or_whole(session, server.base, i)) for i in range(30)]
 
             async def in_flight():

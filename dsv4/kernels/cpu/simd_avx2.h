@@ -113,6 +113,12 @@ SIMD_INLINE m512 mm512_mask_mul_ps(m512 src, mmask16 k, m512 a, m512 b) {
 }
 
 /* ---- fp32 loads and stores ---- */
+/* The `count` lanes of `size` bytes from src to dst that k's bits name (dst's other lanes as they were):
+ * a partial masked load's or store's, through a buffer */
+SIMD_INLINE void copy_lanes(void *dst, const void *src, uint32_t k, int count, int size) {
+  for (int i = 0; i < count; i++)
+    if (k >> i & 1) memcpy((char *)dst + i * size, (const char *)src + i * size, size);
+}
 SIMD_INLINE m512 mm512_loadu_ps(const void *p) {
   return m512_of(_mm256_loadu_ps((const float *)p), _mm256_loadu_ps((const float *)p + 8));
 }
@@ -125,8 +131,7 @@ SIMD_INLINE void mm512_store_ps(void *p, m512 a) { mm512_storeu_ps(p, a); }
 SIMD_INLINE m512 mm512_maskz_loadu_ps(mmask16 k, const void *p) {
   if (k == 0xffff) return mm512_loadu_ps(p);
   float lanes[16] = {0};
-  for (int i = 0; i < 16; i++)
-    if (k >> i & 1) lanes[i] = ((const float *)p)[i];
+  copy_lanes(lanes, p, k, 16, 4);
   return mm512_loadu_ps(lanes);
 }
 SIMD_INLINE m512 mm512_mask_loadu_ps(m512 src, mmask16 k, const void *p) {
@@ -139,8 +144,7 @@ SIMD_INLINE void mm512_mask_storeu_ps(void *p, mmask16 k, m512 a) {
   }
   float lanes[16];
   mm512_storeu_ps(lanes, a);
-  for (int i = 0; i < 16; i++)
-    if (k >> i & 1) ((float *)p)[i] = lanes[i];
+  copy_lanes(p, lanes, k, 16, 4);
 }
 
 /* ---- integers ---- */
@@ -179,16 +183,14 @@ SIMD_INLINE void mm512_store_si512(void *p, m512i a) { mm512_storeu_si512(p, a);
 SIMD_INLINE m512i mm512_maskz_loadu_epi16(mmask32 k, const void *p) {
   if (k == 0xffffffffu) return mm512_loadu_si512(p);
   uint16_t lanes[32] = {0};
-  for (int i = 0; i < 32; i++)
-    if (k >> i & 1) lanes[i] = ((const uint16_t *)p)[i];
+  copy_lanes(lanes, p, k, 32, 2);
   return mm512_loadu_si512(lanes);
 }
 /* 16 uint16 lanes, those of k's bits (the rest 0) */
 SIMD_INLINE __m256i mm256_maskz_loadu_epi16(mmask16 k, const void *p) {
   if (k == 0xffff) return _mm256_loadu_si256((const __m256i *)p);
   uint16_t lanes[16] = {0};
-  for (int i = 0; i < 16; i++)
-    if (k >> i & 1) lanes[i] = ((const uint16_t *)p)[i];
+  copy_lanes(lanes, p, k, 16, 2);
   return _mm256_loadu_si256((const __m256i *)lanes);
 }
 SIMD_INLINE void mm256_mask_storeu_epi16(void *p, mmask16 k, __m256i a) {
@@ -198,15 +200,13 @@ SIMD_INLINE void mm256_mask_storeu_epi16(void *p, mmask16 k, __m256i a) {
   }
   uint16_t lanes[16];
   _mm256_storeu_si256((__m256i *)lanes, a);
-  for (int i = 0; i < 16; i++)
-    if (k >> i & 1) ((uint16_t *)p)[i] = lanes[i];
+  copy_lanes(p, lanes, k, 16, 2);
 }
 /* 16 bytes, those of k's bits (the rest 0) */
 SIMD_INLINE __m128i mm_maskz_loadu_epi8(mmask16 k, const void *p) {
   if (k == 0xffff) return _mm_loadu_si128((const __m128i *)p);
   uint8_t lanes[16] = {0};
-  for (int i = 0; i < 16; i++)
-    if (k >> i & 1) lanes[i] = ((const uint8_t *)p)[i];
+  copy_lanes(lanes, p, k, 16, 1);
   return _mm_loadu_si128((const __m128i *)lanes);
 }
 /* The bits of k whose bytes of a and b differ */

@@ -7,9 +7,10 @@
  * The queries and rows hold bf16 values, so the logits' products are exact as vdpbf16ps (bf16 pairs
  * summed into fp32 lanes): a block's keys are packed once into strips of 16 (`strips[strip][pair][key]`)
  * and each query row's pair, read in place, is broadcast against two strips (8 rows x 32 keys in 16
- * registers over the whole head dim). The softmax weights stay fp32, and the value products are fp32
- * FMAs over the block's rows converted to fp32 once (an fp32 weight times a bf16 value is exact in
- * fp32): 4 rows x 64 dims in 16 registers over the columns. Every product is exact, so only the
+ * registers over the whole head dim; 4 rows x 16 keys on AVX2, whose registers hold a quarter of the bytes).
+ * The softmax weights stay fp32, and the value products are fp32 FMAs over the block's rows converted to
+ * fp32 once (an fp32 weight times a bf16 value is exact in fp32): 4 rows x 64 dims in 16 registers over
+ * the columns (4 rows x 16 dims on AVX2). Every product is exact, so only the
  * order of the fp32 sums differs from fp32 arithmetic. Each work item is a block's range of up to
  * ITEM_ROWS (query, head) rows, over only the columns some of its queries attend to: its logits, its
  * softmax a row at a time, its value products divided by the rows' denominators and rounded to bf16.
@@ -24,7 +25,12 @@
 #include "band.h"
 #include "dots.h"
 
-enum { ITEM_ROWS = 64, LOGIT_ROWS = 8, STRIP = 16, VALUE_ROWS = 4 };
+/* LOGIT_ROWS query rows' logits against LOGIT_STRIPS strips of keys, and VALUE_ROWS rows' value products over
+ * up to VALUE_VECTORS vectors of dims, summed at once: as many sums as the registers hold (simd.h). Each
+ * sum keeps its order at any blocking, so the results do not depend on it. */
+enum { ITEM_ROWS = 64, STRIP = 16, VALUE_ROWS = 4 };
+enum { LOGIT_ROWS = VECTOR_REGISTERS >= 32 ? 8 : 4, LOGIT_STRIPS = VECTOR_REGISTERS >= 32 ? 2 : 1,
+       VALUE_VECTORS = VECTOR_REGISTERS >= 32 ? 4 : 1 };
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -129,12 +135,12 @@ INLINE void logit_tile(const uint32_t *const *queries, const uint32_t *strip, in
 INLINE void value_tile(const float *weights, const float *values, const float *denom, int64_t cols,
                        const int64_t (*spans)[2], int64_t D, int64_t d, int rows, int vectors, int fp32,
                        void *const *out) {
-  m512 acc[VALUE_ROWS][4];
+  m512 acc[VALUE_ROWS][VALUE_VECTORS];
   for (int r = 0; r < VALUE_ROWS; r++)
-    for (int v = 0; v < 4; v++) acc[r][v] = mm512_setzero_ps();
+    for (int v = 0; v < VALUE_VECTORS; v++) acc[r][v] = mm512_setzero_ps();
   for (int span = 0; span < 2; span++)
     for (int64_t c = spans[span][0]; c < spans[span][1]; c++) {
-      m512 value[4];
+      m512 value[VALUE_VECTORS];
       for (int v = 0; v < vectors; v++) value[v] = mm512_loadu_ps(values + c * D + d + 16 * v);
 #pragma GCC unroll 4
       for (int r = 0; r < VALUE_ROWS; r++) {
@@ -224,12 +230,12 @@ static void run_item(const Shared *s, const Item *it, Scratch *scratch) {
     float *out = scratch->weights + m * cols;
     for (int span = 0; span < 2; span++) {
       int64_t c = spans[span][0];
-      for (; c + 2 * STRIP <= spans[span][1]; c += 2 * STRIP) {
+      for (; LOGIT_STRIPS == 2 && c + 2 * STRIP <= spans[span][1]; c += 2 * STRIP) {
         const uint32_t *strip = scratch->strips + c / STRIP * words * STRIP;
         if (s->fp32) logit_tile(queries_at, strip, words, 2, 1, out + c, cols);
         else logit_tile(queries_at, strip, words, 2, 0, out + c, cols);
       }
-      if (c < spans[span][1]) {
+      for (; c < spans[span][1]; c += STRIP) {
         const uint32_t *strip = scratch->strips + c / STRIP * words * STRIP;
         if (s->fp32) logit_tile(queries_at, strip, words, 1, 1, out + c, cols);
         else logit_tile(queries_at, strip, words, 1, 0, out + c, cols);
@@ -268,8 +274,8 @@ static void run_item(const Shared *s, const Item *it, Scratch *scratch) {
     /* (a last tile's rows past `count` multiply whatever the scratch holds there and are never stored) */
     const float *weights = scratch->weights + m * cols;
     int64_t d = 0;
-    for (; d + 64 <= D; d += 64)
-      value_tile(weights, scratch->values, scratch->denom + m, cols, spans, D, d, count, 4, s->fp32, out);
+    for (; d + 16 * VALUE_VECTORS <= D; d += 16 * VALUE_VECTORS)
+      value_tile(weights, scratch->values, scratch->denom + m, cols, spans, D, d, count, VALUE_VECTORS, s->fp32, out);
     for (; d < D; d += 16)
       value_tile(weights, scratch->values, scratch->denom + m, cols, spans, D, d, count, 1, s->fp32, out);
   }

@@ -104,6 +104,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from dsv4.config import ModelConfig
+from dsv4.config.server_args import cpu_has_fast_bf16
 from dsv4.kernels import cpu_mhc
 
 from . import attention, compressor, mhc, moe, ops, package_cache
@@ -505,7 +506,9 @@ def _index_constants(cfg: ModelConfig) -> dict:
 
 def _key(cfg: ModelConfig, experts: range, examples: dict[str, tuple[torch.Tensor, ...]], decode_products: bool) -> str:
     device = next(iter(examples.values()))[0].device
-    isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else torch.cuda.get_device_name(device)
+    # (with whether bf16 products widen to fp32, `ops.widens_bf16`: "AVX512" names CPUs with and without them)
+    isa = ((torch.backends.cpu.get_cpu_capability(), cpu_has_fast_bf16()) if device.type == "cpu"
+           else torch.cuda.get_device_name(device))
     shapes = {name: [None if t is None else (tuple(t.shape), str(t.dtype)) for t in tensors]  # None: no shared expert
               for name, tensors in examples.items()}
     facts = (torch.__version__, isa, device.type, sorted(_constants(cfg).items()), attention.softmax_scale(cfg),

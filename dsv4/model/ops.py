@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.config import WINDOW, ModelConfig
+from dsv4.config.server_args import cpu_has_fast_bf16
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -26,6 +27,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] times weight [out, in] (the checkpoint's layout), or grouped, x [..., G, in] times
     weight [G, out, in]; in the weight's dtype."""
     x = x.to(weight.dtype)
+    if widens_bf16(weight):
+        return linear(x.float(), weight.float()).to(weight.dtype)
     if weight.dim() == 3:
         return torch.einsum("...gi,goi->...go", x, weight)
     if onednn_serves(weight):
@@ -33,11 +36,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def widens_bf16(weight: torch.Tensor) -> bool:
+    """Whether `linear` multiplies by a bf16 weight in fp32 and rounds the result to bf16: on a CPU that
+    does not multiply bf16 in hardware (cpu_has_fast_bf16), where torch's bf16 matmul is a dot product
+    a row at a time, 4..5.5x slower than fp32's (AVX2, 2 threads, 256 rows: [8192, 256] 256 against 46
+    ms, [512, 512] 14.8 against 2.7, the fp32 time including the weight's conversion). The same math:
+    bf16 products are exact in fp32, summed in fp32 and rounded once, only in another order. With more
+    than a few rows the conversion pays for itself; the CPU kernels take the decode steps' few rows
+    (cpu_project.KERNEL_TOKENS)."""
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not _CPU_HAS_FAST_BF16
+
+
 # fp32 products on the CPU through oneDNN's matmul rather than F.linear's (MKL's): the same sums in
 # another order, at 2.1..2.8x the pace on a Zen 5 (2 threads, [512, K] x [K, N] at 440..520 GFLOP/s
 # against MKL's ~220, an AVX2 pace: MKL does not take its AVX512 code on AMD CPUs; 2 rows of a [3392, 512]
 # weight 1.5x; one row of [512, 512] 21 us against 14, the one case measured slower)
 _ONEDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_CPU_HAS_FAST_BF16 = cpu_has_fast_bf16()
 
 
 def onednn_serves(weight: torch.Tensor) -> bool:

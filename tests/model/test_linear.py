@@ -1,6 +1,7 @@
 """The model's fp32 matmuls on the CPU (`ops.linear`, and the MoE's grouped products), which run as
 oneDNN's where torch has it (`ops.onednn_linear`), against float64 matmuls: the same sums, so within
-fp32 rounding, whatever the rows, the layouts and the groups' sizes (empty ones included)."""
+fp32 rounding, whatever the rows, the layouts and the groups' sizes (empty ones included); and its bf16
+products, as torch's bf16 matmuls or widened to fp32 (`ops.widens_bf16`), alike."""
 
 from __future__ import annotations
 
@@ -44,6 +45,23 @@ def test_linear_in_fp32_compiled_equals_eager():
     x, weight = torch.randn(5, 32, generator=g), torch.randn(24, 32, generator=g)
     compiled = torch.compile(ops.linear, fullgraph=True, dynamic=True)
     assert torch.equal(compiled(x, weight), ops.linear(x, weight))
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False], ids=["bf16-matmul", "widened-to-fp32"])
+@pytest.mark.parametrize("rows", [1, 9, 300])
+def test_linear_in_bf16_is_the_fp32_sum_rounded_once_on_either_path(monkeypatch, fast_bf16, rows):
+    monkeypatch.setattr(ops, "_CPU_HAS_FAST_BF16", fast_bf16)
+    g = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 256, generator=g).bfloat16(), torch.randn(520, 256, generator=g).bfloat16()
+    assert ops.widens_bf16(weight) is not fast_bf16 and not ops.widens_bf16(weight.float())
+    grouped_x, grouped_weight = x.unflatten(-1, (4, 64)), weight.unflatten(-1, (4, 64)).transpose(0, 1)  # [4, 520, 64]
+    for got, want, bound in [
+        (ops.linear(x, weight), x.double() @ weight.double().T, 256 * 2.0**-24 * (x.double().abs() @ weight.double().abs().T)),
+        (ops.linear(grouped_x, grouped_weight), torch.einsum("tgi,goi->tgo", grouped_x.double(), grouped_weight.double()),
+         64 * 2.0**-24 * torch.einsum("tgi,goi->tgo", grouped_x.double().abs(), grouped_weight.double().abs()))]:
+        # the fp32 sum (within its rounding of the exact one) rounded once to bf16: within half a bf16 step of it
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert bool(((got.double() - want).abs() <= bound + (want.abs() + bound) * 2.0**-8).all())
 
 
 @pytest.mark.parametrize("sizes", [[16, 0, 32, 16], [0, 0, 0, 48], [128, 16, 16, 16]])

@@ -18,7 +18,9 @@ dtype, a request-rate sweep (Poisson arrivals, --request-rate), one shared-prefi
 server's prefix-cache hit rate (--shared-prefix-concurrency) and an abort storm
 (--storm-concurrency). Also measured: the server's startup to ready, the machine's memory
 bandwidth (at the start, and just before and after each dtype's concurrency-1 run), and that run's
-decode step against weight bytes read per step / the faster of the bandwidths read beside it.
+decode step against weight bytes read per step / the faster of the bandwidths read beside it; and the
+widest concurrency run's weight products at this CPU's fp32 pace for them, against HF's run: how many
+times HF's fp32 throughput any server could reach here.
 Plots (PNG): throughput against concurrency for dsv4 and HF, and ITL over time across the storm.
 Every request and every wait is bounded; a server it starts is always stopped.
 """
@@ -183,6 +185,36 @@ def print_bound(results, c1: Run, bandwidth: dict, bound: dict) -> None:
                   f"{step / floor_in_dtype:.1f}x)")
 
 
+def print_compute_floor(model_dir: Path, results, widest: Run, context: int) -> dict | None:
+    """The widest random run's weight products in fp32 at this CPU's pace for them, against HF's fp32 run
+    of the same requests: the most any fp32 server's output tok/s there can be HF's (None: no such runs)."""
+    from bench.baseline import product_flops, product_seconds
+
+    fp32 = next((r for r in results if r.dtype == "float32"), None)
+    mine, hf = (fp32.get("dsv4", widest), fp32.get("hf", widest)) if fp32 is not None else (None, None)
+    if mine is None or hf is None:
+        return None
+    # every prompt token and every generated one but each request's last goes through the layers; each
+    # generated token is sampled through the head
+    forward_tokens = mine["total_input_tokens"] + mine["total_output_tokens"] - mine["completed"]
+    sampled = mine["total_output_tokens"]
+    layers, head = product_flops(model_dir, context)
+    flops = forward_tokens * layers + sampled * head
+    prompt = mine["total_input_tokens"] // max(mine["completed"], 1)
+    # products of a prompt's rows and of four prompts' (a longer prefill chunk), the faster: the stricter floor
+    floors = []
+    for rows in (prompt, 4 * prompt):
+        layer_s, head_s = product_seconds(model_dir, rows, context)
+        floors.append((forward_tokens * layer_s + sampled * head_s, rows))
+    floor, rows = min(floors)
+    print(f"\nc={widest.concurrency} run (float32): its weight products, {flops / 1e12:.2f} TFLOP, at this CPU's "
+          f"fp32 pace for each ({rows} rows; {flops / floor / 1e9:.0f} GFLOP/s overall) take {floor:.1f} s, against "
+          f"HF's {hf['duration']:.1f} s for the run: no fp32 server here passes {hf['duration'] / floor:.1f}x HF's "
+          f"output tok/s (dsv4: {mine['duration']:.1f} s, {hf['duration'] / mine['duration']:.2f}x)")
+    return {"tflop": flops / 1e12, "gflops": flops / floor / 1e9, "floor_s": floor, "hf_s": hf["duration"],
+            "dsv4_s": mine["duration"], "most_x_hf": hf["duration"] / floor}
+
+
 def tp_compare(model_dir: Path, args, work: Workload, results: Results, c1: Run, prompts: list[list[int]],
                fp32_c1: dict | None) -> dict | None:
     """The concurrency-1 decode step of a `--tp-size 2` server against TP=1 (float32, same prompts).
@@ -243,15 +275,18 @@ def main(argv=None) -> int:
     plots = draw_all(results.folder)  # before the TP=2 server: a failure there leaves the plots drawn
     print("\nplots: " + ", ".join(str(p) for p in plots))
     if not args.url and random_runs:
+        widest = max(random_runs, key=lambda run: run.concurrency)
         if c1 is not None:
             print()
             print_bound(per_dtype, c1, bandwidth, bound)
         if args.suite and c1 is not None and args.baseline == "hf":
-            widest = max(random_runs, key=lambda run: run.concurrency)
             rows = target_rows(per_dtype, c1, widest, args.input_len, bound)
             summary["targets"] = rows
             print("\nissue 12 targets (same run; HF/bound column: HF's figure, or the bandwidth floor)")
             print(format_targets(rows))
+        if args.baseline == "hf":
+            summary["compute_floor"] = print_compute_floor(args.model_dir, per_dtype, widest,
+                                                           args.input_len + args.output_len)
         fp32 = next((r for r in per_dtype if r.dtype == "float32"), None)
         if args.suite and not args.no_tp_compare and c1 is not None and fp32 is not None:
             summary["tp_compare"] = tp_compare(args.model_dir, args, work, results, c1,

@@ -4,6 +4,7 @@ checkpoint and prompts, the machine's memory bandwidth, and the weight bytes a d
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import math
@@ -120,17 +121,10 @@ def decode_weight_bytes(model_dir: Path, dtype: str, context: int, bf16_copies: 
     `indexer.wq_b` from its copy too, which this counts in fp32: no suite context is that long.) The KV cache the step reads (window, compressed rows, index keys) is state, not weights,
     and is left out: at a 256-token context it is small next to the weights.
     """
-    cfg = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
     total = 0
-    for name, shape in expected_weights(cfg).items():
+    for name, shape in _weights_read(model_dir, context):
         copied = any(_BF16_COPIES[kind].search(name) for kind in bf16_copies)
         itemsize = 2 if copied else DTYPES[dtype].itemsize
-        routed = _ROUTED_EXPERT.search(name)
-        if routed and int(routed.group(1)) >= cfg.num_experts_per_tok:
-            continue  # a routed expert the token does not choose (any E of them weigh the same)
-        layer = re.match(r"layers\.(\d+)\.attn\.indexer\.wq_b\.", name)
-        if layer and context <= cfg.index_topk * (ratio := cfg.compress_ratios[int(layer.group(1))]) + ratio - 1:
-            continue  # the indexer does not run at this context
         if name.endswith("tid2eid"):
             total += shape[-1] * 8  # one int64 row
         elif name == "embed.weight" or name.endswith(".ape"):
@@ -138,3 +132,61 @@ def decode_weight_bytes(model_dir: Path, dtype: str, context: int, bf16_copies: 
         else:
             total += math.prod(shape) * itemsize
     return total
+
+
+def _weights_read(model_dir: Path, context: int):
+    """(name, shape) of each weight one token's forward reads at contexts of up to `context` tokens, as
+    `decode_weight_bytes` says (the routed experts: the first `num_experts_per_tok` stand for the chosen)."""
+    cfg = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    for name, shape in expected_weights(cfg).items():
+        routed = _ROUTED_EXPERT.search(name)
+        if routed and int(routed.group(1)) >= cfg.num_experts_per_tok:
+            continue  # a routed expert the token does not choose (any E of them weigh the same)
+        layer = re.match(r"layers\.(\d+)\.attn\.indexer\.wq_b\.", name)
+        if layer and context <= cfg.index_topk * (ratio := cfg.compress_ratios[int(layer.group(1))]) + ratio - 1:
+            continue  # the indexer does not run at this context
+        yield name, shape
+
+
+def _products(model_dir: Path, context: int) -> tuple[collections.Counter, tuple[int, int]]:
+    """The weight shapes one token's products multiply by, with how many of each, through the layers (every
+    matrix `_weights_read` names but the embedding, a row looked up, and the compressors' `ape`, added),
+    and the LM head's (a sampled token's)."""
+    layers: collections.Counter = collections.Counter()
+    head = (0, 0)
+    for name, shape in _weights_read(model_dir, context):
+        if len(shape) != 2 or name == "embed.weight" or name.endswith((".ape", "tid2eid")):
+            continue
+        if name == "head.weight":
+            head = tuple(shape)
+        else:
+            layers[tuple(shape)] += 1
+    return layers, head
+
+
+def product_flops(model_dir: Path, context: int) -> tuple[int, int]:
+    """FLOPs of the weight products (2 per weight element multiplied) of one token through the layers, and
+    of the LM head's for one sampled token, at contexts of up to `context` tokens. A lower bound on a
+    forward's arithmetic: the attention's own products are left out."""
+    layers, head = _products(model_dir, context)
+    return sum(2 * math.prod(shape) * n for shape, n in layers.items()), 2 * math.prod(head)
+
+
+def product_seconds(model_dir: Path, rows: int, context: int, repeats: int = 5) -> tuple[float, float]:
+    """Seconds a token's weight products take through the layers, and the head's for a sampled token, at
+    this CPU's pace for them: each shape's product with `rows` rows, in fp32 as dsv4 multiplies
+    (`dsv4.model.ops.linear`: oneDNN's where torch has it) on every thread, best of `repeats`, over `rows`."""
+    from dsv4.model.ops import linear
+
+    def seconds(shape: tuple[int, int]) -> float:
+        x, weight = torch.randn(rows, shape[1]), torch.randn(*shape)
+        linear(x, weight)  # (its first call sets up)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            linear(x, weight)
+            times.append(time.perf_counter() - started)
+        return min(times) / rows
+
+    layers, head = _products(model_dir, context)
+    return sum(seconds(shape) * n for shape, n in layers.items()), seconds(head)

@@ -100,3 +100,24 @@ def test_the_floor_counts_as_bf16_exactly_the_weights_the_server_reads_as_bf16_c
                                  for copies in ((), ("experts",), ("projections", "experts")))
     in_bf16 = decode_weight_bytes(tiny_ckpt, "bfloat16", 64)
     assert in_bf16 < as_read < experts < in_fp32  # the norms, mixes, gate, embedding row and head stay fp32
+
+
+def test_the_compute_floor_multiplies_every_matrix_a_token_reads_and_nothing_else(tiny_ckpt):
+    """`product_flops` counts 2 FLOPs per element of each matrix the decode floor counts as read whole,
+    and the LM head apart: with the elements read but not multiplied (norms and other vectors, the
+    embedding's and each `ape`'s one row, each `tid2eid` row as 8 bytes) it adds up to the fp32 floor's
+    bytes / 4."""
+    from bench.baseline import _weights_read, decode_weight_bytes, product_flops
+
+    from dsv4.config import ModelConfig
+
+    cfg = ModelConfig.from_json(tiny_ckpt)
+    for context in (64, cfg.index_topk * 4 + 4):  # without and with the indexer's queries
+        layers, head = product_flops(tiny_ckpt, context)
+        assert head == 2 * cfg.vocab_size * cfg.hidden_size and layers > 0
+        read_not_multiplied = sum(
+            math.prod(shape) if len(shape) == 1 else 2 * shape[-1] if name.endswith("tid2eid") else shape[-1]
+            for name, shape in _weights_read(tiny_ckpt, context)
+            if len(shape) == 1 or name == "embed.weight" or name.endswith((".ape", "tid2eid")))
+        assert (layers + head) // 2 + read_not_multiplied == decode_weight_bytes(tiny_ckpt, "float32", context) // 4
+    assert product_flops(tiny_ckpt, cfg.index_topk * 4 + 4)[0] > product_flops(tiny_ckpt, 64)[0]

@@ -51,6 +51,9 @@ def test_the_benchmark_writes_every_metric_and_both_plots(tiny_ckpt, tmp_path):
     assert storm["aborted"] == 3 and storm["survivors_completed"] == 1 and storm["ready_after"]
     assert not any(storm["held_after"].values()) and storm["points"]
     summary = runs["summary"]
+    floor = summary["compute_floor"]  # of the c=2 run, against HF's
+    assert floor["floor_s"] > 0 and floor["hf_s"] == runs["hf-float32-random-c2"]["duration"]
+    assert floor["most_x_hf"] == pytest.approx(floor["hf_s"] / floor["floor_s"])
     assert summary["bandwidth"]["read_gbps"] > 0 and summary["decode_floor_s"]["float32"] > 0
     # The floor divides by the faster of the probes beside the c=1 run (only that run is bracketed).
     beside = runs["dsv4-float32-random-c1"]["bandwidth_beside_gbps"]

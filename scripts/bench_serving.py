@@ -20,7 +20,7 @@ server's prefix-cache hit rate (--shared-prefix-concurrency) and an abort storm
 bandwidth (at the start, and just before and after each dtype's concurrency-1 run), and that run's
 decode step against weight bytes read per step / the faster of the bandwidths read beside it; and the
 widest concurrency run's weight products at this CPU's fp32 pace for them, against HF's run: how many
-times HF's fp32 throughput any server could reach here.
+times HF's fp32 throughput a server multiplying at that pace could reach here.
 Plots (PNG): throughput against concurrency for dsv4 and HF, and ITL over time across the storm.
 Every request and every wait is bounded; a server it starts is always stopped.
 """
@@ -187,7 +187,8 @@ def print_bound(results, c1: Run, bandwidth: dict, bound: dict) -> None:
 
 def print_compute_floor(model_dir: Path, results, widest: Run, context: int) -> dict | None:
     """The widest random run's weight products in fp32 at this CPU's pace for them, against HF's fp32 run
-    of the same requests: the most any fp32 server's output tok/s there can be HF's (None: no such runs)."""
+    of the same requests: the most the output tok/s there of any fp32 server that multiplies at that pace can
+    be HF's (None: no such runs)."""
     from bench.baseline import product_flops, product_seconds
 
     fp32 = next((r for r in results if r.dtype == "float32"), None)
@@ -201,7 +202,8 @@ def print_compute_floor(model_dir: Path, results, widest: Run, context: int) -> 
     layers, head = product_flops(model_dir, context)
     flops = forward_tokens * layers + sampled * head
     prompt = mine["total_input_tokens"] // max(mine["completed"], 1)
-    # products of a prompt's rows and of four prompts' (a longer prefill chunk), the faster: the stricter floor
+    # products of a prompt's rows and of four prompts' (a longer prefill chunk), the faster: the lower floor,
+    # so that the ceiling is not understated
     floors = []
     for rows in (prompt, 4 * prompt):
         layer_s, head_s = product_seconds(model_dir, rows, context)
@@ -209,7 +211,8 @@ def print_compute_floor(model_dir: Path, results, widest: Run, context: int) -> 
     floor, rows = min(floors)
     print(f"\nc={widest.concurrency} run (float32): its weight products, {flops / 1e12:.2f} TFLOP, at this CPU's "
           f"fp32 pace for each ({rows} rows; {flops / floor / 1e9:.0f} GFLOP/s overall) take {floor:.1f} s, against "
-          f"HF's {hf['duration']:.1f} s for the run: no fp32 server here passes {hf['duration'] / floor:.1f}x HF's "
+          f"HF's {hf['duration']:.1f} s for the run: no fp32 server multiplying at this pace passes "
+          f"{hf['duration'] / floor:.1f}x HF's "
           f"output tok/s (dsv4: {mine['duration']:.1f} s, {hf['duration'] / mine['duration']:.2f}x)")
     return {"tflop": flops / 1e12, "gflops": flops / floor / 1e9, "floor_s": floor, "hf_s": hf["duration"],
             "dsv4_s": mine["duration"], "most_x_hf": hf["duration"] / floor}

@@ -1,5 +1,6 @@
 """What dsv4 is measured against in the same run: HF transformers' batched `generate` on the same
-checkpoint and prompts, the machine's memory bandwidth, and the weight bytes a decode step reads.
+checkpoint and prompts, the machine's memory bandwidth, the weight bytes a decode step reads, and the
+arithmetic of a token's weight products with this CPU's pace for them.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class PdTimeouts:
     bootstrap: float = 600.0
     wait_for_prefill: float = 60.0  # decode: prefill request sent, no payload yet (prefill queue + compute)
     transfer: float = 10.0  # decode: first payload header .. commit; prefill: sending
-    commit: float = 5.0  # decode: commit received .. admitted to the decode batch
+    commit: float = 5.0  # decode: commit received .. every payload received (then the engine's install)
     send: float = 5.0  # one control frame; a link that cannot send a small frame this long is fenced
     lease: float = 5.0  # a failed transfer's wait for a drain acknowledgement before fencing the peer
     drain_retry: float = 0.5

@@ -1,8 +1,9 @@
 """The decode side: owns the request, allocates its destination, asks a prefill peer to fill it.
 
-Per transfer: bootstrapping → waiting_for_prefill → transferring → committing → done | failed,
-each state with a deadline. One task per transfer reads that transfer's frames from its own inbox,
-so every decision about a transfer is made in one place, in order.
+Per transfer: bootstrapping → waiting_for_prefill → transferring → committing → installing →
+done | failed, each state with a deadline (installing's is the engine's own: see STATE_TIMEOUT).
+One task per transfer reads that transfer's frames from its own inbox, so every decision about a
+transfer is made in one place, in order.
 
 Payload bytes land only in staging buffers the transfer owns; they are copied into the pools only
 after a Commit that names the right generations, follows every payload and (in verify mode)
@@ -160,7 +161,8 @@ class RemotePrefill:
                 await self._end_lease(t)
 
     def _deadline(self, t: DecodeTransfer) -> float:
-        bound = t.state_since + getattr(self.timeouts, STATE_TIMEOUT[t.state])
+        timeout = STATE_TIMEOUT.get(t.state)
+        bound = float("inf") if timeout is None else t.state_since + getattr(self.timeouts, timeout)
         return bound if t.req.deadline is None else min(bound, t.req.deadline)
 
     async def _next(self, t: DecodeTransfer):
@@ -342,14 +344,16 @@ class RemotePrefill:
             else:
                 self.metrics.dropped_frames.labels("unexpected_kind").inc()
         pages = [t.staging[i] for i in range(len(t.pages))]
+        t.enter(DecodeState.INSTALLING)
         # Shielded: a cancelled transfer must not release its pages while the copy into them still runs.
         t.installing = asyncio.ensure_future(self.target.install(t.req.rid, t.pages, t.slot, pages,
                                                                  t.staging[len(t.pages)]))
+        deadline = self._deadline(t)
+        wait = None if deadline == float("inf") else max(deadline - time.monotonic(), 0.0)
         try:
-            page_sums, slot_sum = await asyncio.wait_for(asyncio.shield(t.installing),
-                                                         max(self._deadline(t) - time.monotonic(), 0.0))
+            page_sums, slot_sum = await asyncio.wait_for(asyncio.shield(t.installing), wait)
         except TimeoutError:
-            raise TransferFailed("the copy into the pools did not finish within the commit deadline") from None
+            raise TransferFailed(self._deadline_message(t)) from None
         except RequestFailed as e:
             raise TransferFailed(str(e), e.status) from None
         c = t.commit
@@ -503,8 +507,9 @@ class RemotePrefill:
 
     # -- views --------------------------------------------------------------------------------------
     def ready(self) -> tuple[bool, list[str]]:
-        """Transfers are pending work: one waiting too long, or stuck past its state's deadline (a
-        copy into the pools that does not return, receives that do not end), makes this not ready."""
+        """Transfers are pending work: one waiting too long, or stuck past its state's deadline (receives
+        that do not end, a lease that does not end), makes this not ready. A copy into the pools is the
+        engine's pending work: its stall check reports one that does not return."""
         ok, reasons = self.supervisor.ready()
         if not self.router.any_usable():
             reasons.append(self.router.no_peer_message())
@@ -523,6 +528,8 @@ class RemotePrefill:
     def _release_bound(self, t: DecodeTransfer) -> float:
         """When `t` should have moved on at the latest: its state's deadline, or for a failed one the
         longest a lease may take (drain, fence, receives ending), each with a lease of slack."""
+        if t.state is DecodeState.INSTALLING:
+            return float("inf")  # the engine's work from here: its stall check and forward deadline bound it
         if t.state in STATE_TIMEOUT:
             if t.state is DecodeState.BOOTSTRAPPING:
                 return float("inf")  # bounded by its deadline and reported by --max-queue-wait above

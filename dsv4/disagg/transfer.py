@@ -23,6 +23,7 @@ class DecodeState(enum.Enum):
     WAITING_FOR_PREFILL = "waiting_for_prefill"
     TRANSFERRING = "transferring"
     COMMITTING = "committing"
+    INSTALLING = "installing"
     DONE = "done"
     FAILED = "failed"
 
@@ -72,6 +73,9 @@ class DecodeTransfer:
         self.state, self.state_since = state, time.monotonic()
 
 
+# INSTALLING has no timer of its own: the copy waits behind this engine's own ticks, not on the peer.
+# The engine bounds it (each tick has its forward deadline; a tick that fails, or a loop that ends,
+# fails the installs it holds), its stall check reports it, and the request's deadline still applies.
 STATE_TIMEOUT = {
     DecodeState.BOOTSTRAPPING: "bootstrap",
     DecodeState.WAITING_FOR_PREFILL: "wait_for_prefill",

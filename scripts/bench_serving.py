@@ -185,13 +185,12 @@ def print_bound(results, c1: Run, bandwidth: dict, bound: dict) -> None:
                   f"{step / floor_in_dtype:.1f}x)")
 
 
-def print_compute_floor(model_dir: Path, results, widest: Run, context: int) -> dict | None:
+def print_compute_floor(model_dir: Path, fp32, widest: Run, context: int) -> dict | None:
     """The widest random run's weight products in fp32 at this CPU's pace for them, against HF's fp32 run
-    of the same requests: the most the output tok/s there of any fp32 server that multiplies at that pace can
-    be HF's (None: no such runs)."""
+    of the same requests (`fp32`: the float32 results, or None): the most the output tok/s there of any fp32
+    server that multiplies at that pace can be HF's (None: no such runs)."""
     from bench.baseline import product_flops, product_seconds
 
-    fp32 = next((r for r in results if r.dtype == "float32"), None)
     mine, hf = (fp32.get("dsv4", widest), fp32.get("hf", widest)) if fp32 is not None else (None, None)
     if mine is None or hf is None:
         return None
@@ -279,6 +278,7 @@ def main(argv=None) -> int:
     print("\nplots: " + ", ".join(str(p) for p in plots))
     if not args.url and random_runs:
         widest = max(random_runs, key=lambda run: run.concurrency)
+        fp32 = next((r for r in per_dtype if r.dtype == "float32"), None)
         if c1 is not None:
             print()
             print_bound(per_dtype, c1, bandwidth, bound)
@@ -288,9 +288,8 @@ def main(argv=None) -> int:
             print("\nissue 12 targets (same run; HF/bound column: HF's figure, or the bandwidth floor)")
             print(format_targets(rows))
         if args.baseline == "hf":
-            summary["compute_floor"] = print_compute_floor(args.model_dir, per_dtype, widest,
+            summary["compute_floor"] = print_compute_floor(args.model_dir, fp32, widest,
                                                            args.input_len + args.output_len)
-        fp32 = next((r for r in per_dtype if r.dtype == "float32"), None)
         if args.suite and not args.no_tp_compare and c1 is not None and fp32 is not None:
             summary["tp_compare"] = tp_compare(args.model_dir, args, work, results, c1,
                                                prompts_for(c1, work, every.index(c1)), fp32.get("dsv4", c1))

@@ -190,13 +190,7 @@ class RemotePrefill:
     async def _bootstrap(self, t: DecodeTransfer) -> None:
         prompt_tokens = len(t.req.input_ids)
         num_pages = -(-prompt_tokens // self.target.capabilities.page_size)
-        while t.peer is None:
-            if (refusal := self.router.refusal(prompt_tokens)) is not None:
-                raise TransferFailed(refusal, 400)
-            t.peer = self.router.pick(prompt_tokens)
-            if t.peer is None:
-                await self._wait_or_fail(t, self.router.wait_for_change(),
-                                         "no usable prefill peer can take the prompt; " + self.router.no_peer_message())
+        await self._pick_peer(t, prompt_tokens)  # first: a prompt no peer takes is refused holding no pages
         self._allocation_queue.append(t)
         try:
             while not t.pages:
@@ -209,7 +203,10 @@ class RemotePrefill:
         finally:
             self._allocation_queue.remove(t)
         if not t.peer.usable:
-            raise TransferFailed(f"prefill peer {t.peer.addr} went away: {t.peer.status}")
+            # The peer went away or turned not ready (e.g. a slow tick) while this transfer waited for
+            # its destination. Nothing was sent to it yet: wait for a usable peer, as at the start.
+            t.peer = None
+            await self._pick_peer(t, prompt_tokens)
         t.link = t.peer.link
         t.peer.rooms.add(t.room)
         remaining = (self._deadline(t) if t.req.deadline is None else t.req.deadline) - time.monotonic()
@@ -230,7 +227,16 @@ class RemotePrefill:
             t.drained = True  # nothing was sent: the peer has nothing of this room
             raise TransferFailed(f"the request cannot be sent to a prefill instance: {e}", 400) from None
         if not sent:
-            raise TransferFailed(f"prefill peer {t.peer.addr} went away: {t.peer.status}")
+            raise TransferFailed(f"prefill peer {t.peer.addr} went away: {t.link.close_reason}")
+
+    async def _pick_peer(self, t: DecodeTransfer, prompt_tokens: int) -> None:
+        while t.peer is None:
+            if (refusal := self.router.refusal(prompt_tokens)) is not None:
+                raise TransferFailed(refusal, 400)
+            t.peer = self.router.pick(prompt_tokens)
+            if t.peer is None:
+                await self._wait_or_fail(t, self.router.wait_for_change(),
+                                         "no usable prefill peer can take the prompt; " + self.router.no_peer_message())
 
     async def _wait_or_fail(self, t: DecodeTransfer, waiting, why: str) -> None:
         """Waits for `waiting` or an inbox event, within the state's deadline."""

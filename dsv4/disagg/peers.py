@@ -114,6 +114,9 @@ class PrefillPeer:
         try:
             while (frame := await link.receive()) is not None:
                 if isinstance(frame, Heartbeat):
+                    if frame.ready != self.peer_ready:
+                        log.warning("prefill peer %s: %s", self.addr, "ready again" if frame.ready else
+                                    f"not ready: {'; '.join(frame.reasons) or 'no reason given'}")
                     self.peer_ready, self.load, self.peer_reasons = frame.ready, frame.load, frame.reasons
                     self._changed()
                 elif hasattr(frame, "room"):

@@ -74,6 +74,36 @@ async def test_decode_abort_while_bootstrapping(make_pair):
     await assert_no_leaks(pair)
 
 
+async def test_a_peer_not_ready_while_a_transfer_waits_for_its_destination_only_delays_it(make_pair):
+    # A busy prefill (a tick past --tick-stall-timeout) reports not ready for a while; a transfer
+    # that picked it and then waited for pages sent it nothing yet, so it waits for it again.
+    target = FakeDecodeTarget()
+    destination_free, destination_taken = asyncio.Event(), asyncio.Event()
+    allocate = target.allocate
+
+    async def gated_allocate(*args):
+        if not destination_free.is_set():
+            return None
+        destination_taken.set()
+        return await allocate(*args)
+
+    target.allocate = gated_allocate
+    pair = await make_pair(target=target)
+    req = request("n", 3 * PAGE_SIZE)
+    task = asyncio.ensure_future(run(pair, req))
+    await _state_reached(pair, "n", DecodeState.BOOTSTRAPPING)
+    pair.source.not_ready_reasons = ["tick 7 has not completed in 6.0 s with work pending"]
+    await wait_until(lambda: not pair.decode.peers[0].usable, 5, "the peer to report not ready")
+    destination_free.set()
+    await asyncio.wait_for(destination_taken.wait(), 5)
+    await asyncio.sleep(0.3)
+    assert not task.done(), (await task)[-1].error
+    assert pair.decode.transfers["n"].state is DecodeState.BOOTSTRAPPING
+    pair.source.not_ready_reasons = []
+    assert served_correctly(pair, req, await task)
+    await assert_no_leaks(pair)
+
+
 async def test_decode_abort_while_waiting_for_prefill_cancels_the_computation(make_pair):
     source = FakePrefillSource()
     source.gate = asyncio.Event()

@@ -10,7 +10,7 @@ import re
 import time
 
 import pytest
-from conftest import CHUNK, PREFILL_CONTEXT, engine_of, held, wait_until
+from pd_helpers import CHUNK, PREFILL_CONTEXT, engine_of, held, wait_until
 
 from dsv4.engine import grammar
 from dsv4.engine.request import AdmissionError

@@ -12,7 +12,7 @@ import asyncio
 import random
 
 import pytest
-from conftest import held, wait_until
+from pd_helpers import held, wait_until
 
 from dsv4.protocol import GenerationRequest, SamplingParams
 from tests.cache.test_hicache_reference import assert_accounted, metric

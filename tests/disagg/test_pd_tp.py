@@ -14,7 +14,7 @@ import time
 
 import aiohttp
 import pytest
-from conftest import held, wait_until
+from pd_helpers import held, wait_until
 from pd_processes import Server, free_port, get_json
 from test_pd_engines import outputs_of
 

@@ -7,8 +7,8 @@ import dataclasses
 import random
 import time
 
-from conftest import FAST, wait_until
 from pd_fakes import PAGE_SIZE, FakeDecodeTarget, FakePrefillSource, expected_state
+from pd_helpers import FAST, wait_until
 
 from dsv4.disagg.contracts import RequestFailed
 from dsv4.disagg.decode import RemotePrefill

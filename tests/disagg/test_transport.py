@@ -7,8 +7,8 @@ import asyncio
 import msgspec
 import numpy as np
 import pytest
-from conftest import wait_until
 from pd_fakes import FakeDecodeTarget, FakePrefillSource, capabilities
+from pd_helpers import wait_until
 
 from dsv4.config import FRAME_KINDS, ConfigError, ServerArgs
 from dsv4.disagg.faults import TransferFaults

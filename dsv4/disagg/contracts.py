@@ -24,7 +24,10 @@ class PdTimeouts:
     # decode: wait for a peer and for destination pages and a slot (the decode side's admission
     # queue; the request's own deadline usually ends it first)
     bootstrap: float = 600.0
-    wait_for_prefill: float = 60.0  # decode: prefill request sent, no payload yet (prefill queue + compute)
+    # decode: prefill request sent, no payload yet: the prefill's queue and compute. Load or memory
+    # pressure there waits, as in a colocated queue (the request's deadline usually ends it first); a
+    # peer that dies is fenced by its silence, a prefill engine that stops fails its rooms itself.
+    wait_for_prefill: float = 600.0
     transfer: float = 10.0  # decode: first payload header .. commit; prefill: sending
     commit: float = 5.0  # decode: commit received .. every payload received (then the engine's install)
     send: float = 5.0  # one control frame; a link that cannot send a small frame this long is fenced

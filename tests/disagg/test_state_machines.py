@@ -7,6 +7,7 @@ import dataclasses
 import random
 import time
 
+import pytest
 from pd_fakes import PAGE_SIZE, FakeDecodeTarget, FakePrefillSource, expected_state
 from pd_helpers import FAST, wait_until
 
@@ -74,9 +75,11 @@ async def test_decode_abort_while_bootstrapping(make_pair):
     await assert_no_leaks(pair)
 
 
-async def test_a_peer_not_ready_while_a_transfer_waits_for_its_destination_only_delays_it(make_pair):
+@pytest.mark.parametrize("then", ["peer_ready_again", "client_aborts"])
+async def test_a_peer_not_ready_while_a_transfer_waits_for_its_destination_only_delays_it(make_pair, then):
     # A busy prefill (a tick past --tick-stall-timeout) reports not ready for a while; a transfer
-    # that picked it and then waited for pages sent it nothing yet, so it waits for it again.
+    # that picked it and then waited for pages sent it nothing yet, so it waits for it again,
+    # holding its destination until it is served or ends.
     target = FakeDecodeTarget()
     destination_free, destination_taken = asyncio.Event(), asyncio.Event()
     allocate = target.allocate
@@ -99,8 +102,13 @@ async def test_a_peer_not_ready_while_a_transfer_waits_for_its_destination_only_
     await asyncio.sleep(0.3)
     assert not task.done(), (await task)[-1].error
     assert pair.decode.transfers["n"].state is DecodeState.BOOTSTRAPPING
-    pair.source.not_ready_reasons = []
-    assert served_correctly(pair, req, await task)
+    if then == "peer_ready_again":
+        pair.source.not_ready_reasons = []
+        assert served_correctly(pair, req, await task)
+    else:
+        assert pair.decode.abort("n", "client disconnected")
+        outs = await task
+        assert outs[-1].finish_reason == "abort" and "client disconnected" in outs[-1].error
     await assert_no_leaks(pair)
 
 

@@ -36,17 +36,21 @@ int moe_few(const void *x, const uint16_t *w13, const uint16_t *w2, const uint16
   const int64_t n_tok = p[M_TOKENS], n_pick = p[M_PICKS], n_exp = p[M_EXPERTS], hidden_n = p[M_HIDDEN], inter = p[M_INTER], shared = p[M_SHARED];
   const int fp32 = (int)p[M_FP32];
   const int64_t size = fp32 ? 4 : 2; /* bytes of an activation */
-  const int64_t width = inter > shared ? inter : shared, units = n_pick + (shared ? n_tok : 0);
+  /* fp32 rows (x's and the hidden units') are read in product order (dots.h), the hidden units written in it */
+  const int64_t width = fp32 ? ordered_length(inter > shared ? inter : shared) : inter > shared ? inter : shared;
+  const int64_t units = n_pick + (shared ? n_tok : 0), x_row = fp32 ? ordered_length(hidden_n) : hidden_n;
   /* the experts with picks, then the shared expert: `active` of them, source s's rows from row_start[s] on
    * in the rows of them all */
   int64_t *first = malloc(sizeof(int64_t) * (4 * n_exp + 3)), *last = first ? first + n_exp : NULL;
   int64_t *sources = last ? last + n_exp : NULL, *row_start = sources ? sources + n_exp + 1 : NULL;
-  char *hidden = malloc(size * (units ? units : 1) * width);
-  if (!first || !hidden) {
-    free(first);
-    free(hidden);
+  char *hidden = calloc((size_t)((units ? units : 1) * width), size); /* (zeros past a row's end: product order's) */
+  float *ordered_x = fp32 ? malloc(sizeof(float) * (size_t)(n_tok * x_row)) : NULL;
+  if (!first || !hidden || (fp32 && !ordered_x)) {
+    free(first), free(hidden), free(ordered_x);
     return 1;
   }
+  for (int64_t t = 0; fp32 && t < n_tok; t++) product_order((const float *)x + t * hidden_n, hidden_n, ordered_x + t * x_row);
+  const char *rows_x = fp32 ? (const char *)ordered_x : (const char *)x;
   for (int64_t g = 0; g < n_exp; g++) first[g] = last[g] = 0;
   for (int64_t k = n_pick - 1; k >= 0; k--) { /* each expert's picks: one run of the sorted picks */
     const int64_t g = expert_of(places[k], ends, n_exp, keep[k]);
@@ -79,18 +83,18 @@ int moe_few(const void *x, const uint16_t *w13, const uint16_t *w2, const uint16
         const int count = end - k < BLOCK ? (int)(end - k) : BLOCK;
         const void *rows[BLOCK];
         float gates[BLOCK], ups[BLOCK];
-        for (int j = 0; j < count; j++) rows[j] = (const char *)x + (is_shared ? k + j : tokens[k + j]) * hidden_n * size;
+        for (int j = 0; j < count; j++) rows[j] = rows_x + (is_shared ? k + j : tokens[k + j]) * x_row * size;
         dots(w + i * hidden_n, rows, count, hidden_n, fp32, gates);
         dots(w + (width_u + i) * hidden_n, rows, count, hidden_n, fp32, ups);
         for (int j = 0; j < count; j++) {
           const float gate = fminf(as_model(gates[j], fp32), limit);
           const float up = fminf(fmaxf(as_model(ups[j], fp32), -limit), limit);
           const float unit = as_model(gate / (1.0f + expf(-gate)), fp32) * up;
-          const int64_t at = ((is_shared ? n_pick : 0) + k + j) * width + i;
+          const int64_t row = ((is_shared ? n_pick : 0) + k + j) * width;
           if (fp32)
-            ((float *)hidden)[at] = unit;
+            ((float *)hidden)[row + ordered_index(i)] = unit;
           else
-            ((uint16_t *)hidden)[at] = to_bf16(unit);
+            ((uint16_t *)hidden)[row + i] = to_bf16(unit);
         }
       }
     }
@@ -118,7 +122,6 @@ int moe_few(const void *x, const uint16_t *w13, const uint16_t *w2, const uint16
       }
     }
   }
-  free(first);
-  free(hidden);
+  free(first), free(hidden), free(ordered_x);
   return 0;
 }

@@ -60,20 +60,41 @@ static inline void store_at(void *base, int64_t i, int fp32, float v) {
 
 /* out[t][g * count + j] = as_model(rows[t][g * n .. (g + 1) * n) . w[g][j]) for each of `groups` weights
  * [count, n] (one after another in w), the rows j of every group split over the team at once (no
- * barrier between groups) */
+ * barrier between groups). fp32 rows are read from this thread's copies of them in product order, made
+ * here into `ordered` (ordered_floats(tokens * groups, n) of them; NULL for bf16 rows, read where they lie). */
 static void products(const uint16_t *w, int64_t groups, int64_t count, int64_t n, const void *rows_base,
-                     int64_t tokens, int64_t row_stride, int fp32, void *out) {
-  const int64_t size = fp32 ? 4 : 2;
+                     int64_t tokens, int64_t row_stride, int fp32, float *ordered, void *out) {
+  const int64_t size = fp32 ? 4 : 2, length = ordered_length(n);
+  for (int64_t r = 0; fp32 && r < tokens * groups; r++)
+    product_order((const float *)rows_base + r / groups * row_stride + r % groups * n, n, ordered + r * length);
 #pragma omp for schedule(static)
   for (int64_t item = 0; item < groups * count; item++) {
     const int64_t g = item / count;
     const void *rows[BLOCK];
     float sums[BLOCK];
-    for (int64_t t = 0; t < tokens; t++) rows[t] = (const char *)rows_base + (t * row_stride + g * n) * size;
+    for (int64_t t = 0; t < tokens; t++)
+      rows[t] = fp32 ? (const void *)(ordered + (t * groups + g) * length)
+                     : (const void *)((const char *)rows_base + (t * row_stride + g * n) * size);
     dots(w + item * n, rows, (int)tokens, n, fp32, sums);
     for (int64_t t = 0; t < tokens; t++) store_at(out, t * groups * count + item, fp32, sums[t]);
   }
 }
+
+/* The floats of `rows` rows of n in product order */
+static inline int64_t ordered_floats(int64_t rows, int64_t n) { return rows * ordered_length(n); }
+
+/* For an fp32 kernel (`fp32`) of `threads` threads, scratch for each thread's products' rows in product
+ * order, `floats` a thread; NULL for bf16 (and where it could not be had: the caller fails) */
+static float *ordered_scratch(int fp32, int threads, int64_t floats) {
+  return fp32 ? malloc(sizeof(float) * (size_t)(threads * floats)) : NULL;
+}
+
+/* Thread t's part of ordered_scratch's (NULL for bf16) */
+static inline float *ordered_part(float *scratch, int64_t floats) {
+  return scratch ? scratch + omp_get_thread_num() * floats : NULL;
+}
+
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* row[0..n) (the model's dtype) RMS-normed in fp32 (times weight, unless NULL), rounded into the dtype,
  * then its last `rope` dims rotated in interleaved pairs by the tables cos2, sin2 (backwards with
@@ -138,16 +159,20 @@ int decode_project(const void *x, const uint16_t *w_input, const float *q_norm, 
   const int fp32 = (int)p[J_FP32];
   const int64_t size = fp32 ? 4 : 2;
   if (tokens > BLOCK) return 2;
+  const int64_t floats = max64(ordered_floats(tokens, hidden), ordered_floats(tokens, q_rank));
+  float *ordered = ordered_scratch(fp32, threads, floats);
+  if (fp32 && !ordered) return 1;
 #pragma omp parallel num_threads(threads)
   {
-    products(w_input, 1, width, hidden, x, tokens, hidden, fp32, projected);
+    float *mine = ordered_part(ordered, floats);
+    products(w_input, 1, width, hidden, x, tokens, hidden, fp32, mine, projected);
 #pragma omp single
     for (int64_t t = 0; t < tokens; t++) { /* the low-rank query's norm: no rotation */
       char *row = (char *)qr + t * q_rank * size;
       for (int64_t i = 0; i < q_rank; i++) store_at(row, i, fp32, load_at(projected, t * width + i, fp32));
       norm_and_rotate(row, q_rank, fp32, 1, q_norm, eps, cos2, sin2, 0, 0);
     }
-    products(wq_b, 1, heads * dim, q_rank, qr, tokens, q_rank, fp32, q);
+    products(wq_b, 1, heads * dim, q_rank, qr, tokens, q_rank, fp32, mine, q);
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < tokens * (heads + 1); item++) {
       const int64_t t = item / (heads + 1), h = item % (heads + 1);
@@ -161,6 +186,7 @@ int decode_project(const void *x, const uint16_t *w_input, const float *q_norm, 
       }
     }
   }
+  free(ordered);
   return 0;
 }
 
@@ -173,18 +199,24 @@ int decode_exit(void *out, const float *cos2, const float *sin2, const uint16_t 
   const int fp32 = (int)p[X_FP32];
   const int64_t size = fp32 ? 4 : 2, span = heads / groups * dim;
   if (tokens > BLOCK) return 2;
+  const int64_t floats = max64(ordered_floats(tokens * groups, span), ordered_floats(tokens, groups * o_rank));
   void *low = malloc(size * tokens * groups * o_rank);
-  if (!low) return 1;
+  float *ordered = ordered_scratch(fp32, threads, floats);
+  if (!low || (fp32 && !ordered)) {
+    free(low), free(ordered);
+    return 1;
+  }
 #pragma omp parallel num_threads(threads)
   {
+    float *mine = ordered_part(ordered, floats);
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < tokens * heads; item++)
       norm_and_rotate((char *)out + item * dim * size, dim, fp32, 0, NULL, 0.0f, cos2 + item / heads * rope,
                       sin2 + item / heads * rope, rope, 1);
-    products(wo_a, groups, o_rank, span, out, tokens, heads * dim, fp32, low);
-    products(wo_b, 1, hidden, groups * o_rank, low, tokens, groups * o_rank, fp32, result);
+    products(wo_a, groups, o_rank, span, out, tokens, heads * dim, fp32, mine, low);
+    products(wo_b, 1, hidden, groups * o_rank, low, tokens, groups * o_rank, fp32, mine, result);
   }
-  free(low);
+  free(low), free(ordered);
   return 0;
 }
 
@@ -196,14 +228,18 @@ int decode_index_queries(const void *qr, const uint16_t *wq_b, const float *cos2
   const int fp32 = (int)p[I_FP32];
   const int64_t size = fp32 ? 4 : 2;
   if (tokens > BLOCK) return 2;
+  const int64_t floats = ordered_floats(tokens, q_rank);
+  float *ordered = ordered_scratch(fp32, threads, floats);
+  if (fp32 && !ordered) return 1;
 #pragma omp parallel num_threads(threads)
   {
-    products(wq_b, 1, heads * dim, q_rank, qr, tokens, q_rank, fp32, q);
+    products(wq_b, 1, heads * dim, q_rank, qr, tokens, q_rank, fp32, ordered_part(ordered, floats), q);
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < tokens * heads; item++)
       norm_and_rotate((char *)q + item * dim * size, dim, fp32, 0, NULL, 0.0f, cos2 + item / heads * rope,
                       sin2 + item / heads * rope, rope, 0);
   }
+  free(ordered);
   return 0;
 }
 
@@ -213,14 +249,20 @@ int decode_logits(const void *x, const uint16_t *head, float *logits, const int6
   const int64_t rows = p[H_ROWS], hidden = p[H_HIDDEN], vocab = p[H_VOCAB];
   const int fp32 = (int)p[H_FP32];
   if (rows > BLOCK) return 2;
+  const int64_t length = ordered_length(hidden);
+  float *ordered = ordered_scratch(fp32, 1, ordered_floats(rows, hidden)); /* (the rows', shared) */
+  if (fp32 && !ordered) return 1;
+  for (int64_t t = 0; fp32 && t < rows; t++) product_order((const float *)x + t * hidden, hidden, ordered + t * length);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t v = 0; v < vocab; v++) {
     const void *at[BLOCK];
     float sums[BLOCK];
-    for (int64_t t = 0; t < rows; t++) at[t] = (const char *)x + t * hidden * (fp32 ? 4 : 2);
+    for (int64_t t = 0; t < rows; t++)
+      at[t] = fp32 ? (const void *)(ordered + t * length) : (const void *)((const uint16_t *)x + t * hidden);
     dots(head + v * hidden, at, (int)rows, hidden, fp32, sums);
     for (int64_t t = 0; t < rows; t++) logits[t * vocab + v] = as_model(sums[t], fp32);
   }
+  free(ordered);
   return 0;
 }
 

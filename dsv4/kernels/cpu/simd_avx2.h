@@ -168,6 +168,13 @@ SIMD_INLINE m512i mm512_slli_epi32(m512i a, int count) {
 SIMD_INLINE m512i mm512_cvtepu16_epi32(__m256i a) {
   return m512i_of(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a)), _mm256_cvtepu16_epi32(_mm256_extracti128_si256(a, 1)));
 }
+/* Within each 128-bit lane, the words of a's and b's low (high) halves interleaved, a's first */
+SIMD_INLINE m512i mm512_unpacklo_epi16(m512i a, m512i b) {
+  return m512i_of(_mm256_unpacklo_epi16(a.lo, b.lo), _mm256_unpacklo_epi16(a.hi, b.hi));
+}
+SIMD_INLINE m512i mm512_unpackhi_epi16(m512i a, m512i b) {
+  return m512i_of(_mm256_unpackhi_epi16(a.lo, b.lo), _mm256_unpackhi_epi16(a.hi, b.hi));
+}
 SIMD_INLINE m512 mm512_castsi512_ps(m512i a) { return m512_of(_mm256_castsi256_ps(a.lo), _mm256_castsi256_ps(a.hi)); }
 SIMD_INLINE m512i mm512_loadu_si512(const void *p) {
   return m512i_of(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1));

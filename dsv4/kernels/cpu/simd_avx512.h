@@ -59,6 +59,8 @@ enum { VECTOR_REGISTERS = 32 }; /* the 512-bit vectors the registers hold: how m
 #define mm512_storeu_ps _mm512_storeu_ps
 #define mm512_storeu_si512 _mm512_storeu_si512
 #define mm512_sub_ps _mm512_sub_ps
+#define mm512_unpackhi_epi16 _mm512_unpackhi_epi16
+#define mm512_unpacklo_epi16 _mm512_unpacklo_epi16
 #define mm256_mask_storeu_epi16 _mm256_mask_storeu_epi16
 #define mm256_maskz_loadu_epi16 _mm256_maskz_loadu_epi16
 #define mm_mask_cmpneq_epi8_mask _mm_mask_cmpneq_epi8_mask

@@ -57,6 +57,7 @@ INLINE m512 word_product(m512 acc, m512i heads_word, m512i word, const int fp32)
 /* Keys whose logits key_logits sums at once (a sum each, the heads' word and a key's word besides in
  * registers) and, in weighted_values, the vectors of 16 dims of a chunk (each of 4 heads' sums) */
 enum { LOGIT_KEYS = VECTOR_REGISTERS >= 32 ? 8 : 4, VALUE_VECTORS = VECTOR_REGISTERS >= 32 ? 4 : 1 };
+enum { VALUE_AHEAD = 8 }; /* how many keys ahead weighted_values asks for a key's line */
 
 /* logits[k] (the 16 heads' scaled logits, one register) for the keys first .. last: LOGIT_KEYS keys at a
  * time, each key's words broadcast against the heads'. */
@@ -123,6 +124,8 @@ INLINE void weighted_values(const void **seen, int64_t count, const float *weigh
       const int64_t left = D - d0;
       for (int64_t k = 0; k < count; k++) {
         const char *v = (const char *)seen[k] + d0 * size;
+        /* (a line of each key a pass: rows scattered over pages, which the hardware's prefetchers miss) */
+        if (k + VALUE_AHEAD < count) _mm_prefetch((const char *)seen[k + VALUE_AHEAD] + d0 * size, _MM_HINT_T0);
         m512 values[VALUE_VECTORS];
         for (int j = 0; j < VALUE_VECTORS; j++) values[j] = load16(v + 16 * j * size, left - 16 * j, fp32);
         const float *w = weights + k * 16 + h;

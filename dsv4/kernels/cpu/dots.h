@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "simd.h"
 
@@ -96,6 +97,14 @@ static inline void product_order(const float *row, int64_t n, float *out) {
   }
 }
 
+/* rows [count, n] copied into product order, ordered_length(n) floats a row (malloc'd: the caller frees
+ * it); NULL where the memory could not be had */
+static inline float *ordered_copy(const float *rows, int64_t count, int64_t n) {
+  float *out = malloc(sizeof(float) * (size_t)(count * ordered_length(n)));
+  for (int64_t r = 0; out && r < count; r++) product_order(rows + r * n, n, out + r * ordered_length(n));
+  return out;
+}
+
 /* The weights w[i..i+32) (m's of them, the rest 0) widened exactly into fp32, in product order */
 static inline __attribute__((always_inline)) void widen_ordered(const uint16_t *w, int64_t i, mmask32 m,
                                                                  m512 *first, m512 *second) {
@@ -162,9 +171,9 @@ static inline float dot_1_fp32(const uint16_t *w, const float *row, int64_t n) {
   return mm512_reduce_add_ps(mm512_add_ps(mm512_add_ps(acc[0], acc[1]), mm512_add_ps(acc[2], acc[3])));
 }
 
-/* dots_n (or dots_n_fp32, `fp32`: the rows in product order) over count <= BLOCK rows, in runs of a constant number of them (so
- * that their sums stay in registers): the latency of one vdpbf16ps or FMA is several of its issue
- * slots, so the more sums in flight the better */
+/* dots_n (or dots_n_fp32, `fp32`: the rows in product order) over count <= BLOCK rows, in runs of a
+ * constant number of them (so that their sums stay in registers): the latency of one vdpbf16ps or FMA is
+ * several of its issue slots, so the more sums in flight the better */
 static inline void dots(const uint16_t *w, const void *const *rows, int count, int64_t n, int fp32, float *out) {
   if (count == 1) {
     out[0] = fp32 ? dot_1_fp32(w, (const float *)rows[0], n) : dot_1(w, (const uint16_t *)rows[0], n);

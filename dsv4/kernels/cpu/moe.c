@@ -44,12 +44,11 @@ int moe_few(const void *x, const uint16_t *w13, const uint16_t *w2, const uint16
   int64_t *first = malloc(sizeof(int64_t) * (4 * n_exp + 3)), *last = first ? first + n_exp : NULL;
   int64_t *sources = last ? last + n_exp : NULL, *row_start = sources ? sources + n_exp + 1 : NULL;
   char *hidden = calloc((size_t)((units ? units : 1) * width), size); /* (zeros past a row's end: product order's) */
-  float *ordered_x = fp32 ? malloc(sizeof(float) * (size_t)(n_tok * x_row)) : NULL;
+  float *ordered_x = fp32 ? ordered_copy(x, n_tok, hidden_n) : NULL;
   if (!first || !hidden || (fp32 && !ordered_x)) {
     free(first), free(hidden), free(ordered_x);
     return 1;
   }
-  for (int64_t t = 0; fp32 && t < n_tok; t++) product_order((const float *)x + t * hidden_n, hidden_n, ordered_x + t * x_row);
   const char *rows_x = fp32 ? (const char *)ordered_x : (const char *)x;
   for (int64_t g = 0; g < n_exp; g++) first[g] = last[g] = 0;
   for (int64_t k = n_pick - 1; k >= 0; k--) { /* each expert's picks: one run of the sorted picks */

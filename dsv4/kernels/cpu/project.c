@@ -250,9 +250,8 @@ int decode_logits(const void *x, const uint16_t *head, float *logits, const int6
   const int fp32 = (int)p[H_FP32];
   if (rows > BLOCK) return 2;
   const int64_t length = ordered_length(hidden);
-  float *ordered = ordered_scratch(fp32, 1, ordered_floats(rows, hidden)); /* (the rows', shared) */
+  float *ordered = fp32 ? ordered_copy(x, rows, hidden) : NULL; /* (the rows', shared) */
   if (fp32 && !ordered) return 1;
-  for (int64_t t = 0; fp32 && t < rows; t++) product_order((const float *)x + t * hidden, hidden, ordered + t * length);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t v = 0; v < vocab; v++) {
     const void *at[BLOCK];
